@@ -1,0 +1,201 @@
+"""The accelerator seam: real CUDA, or a simulated device for CPU-only tests.
+
+The swap engine never calls ``torch.cuda`` directly; it asks a device for streams, events,
+memory figures and buffers. ``CudaDevice`` maps those onto CUDA. ``SimulatedDevice`` runs the
+same engine code on a machine without a GPU: CPU tensors stand in for GPU ones, streams and
+events are synchronous (every copy is complete when issued), and "allocated memory" is the bytes
+of the saved-tensor storages the engine has seen that are still alive, so the mark, the plan and
+the release logic are exercised exactly as on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["CudaDevice", "SimulatedDevice", "resolve_device"]
+
+
+class CudaDevice:
+    """One CUDA device, as the swap engine sees it."""
+
+    kind = "cuda"
+
+    def __init__(self, index: Optional[int] = None):
+        self.index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", self.index)
+        self.name = torch.cuda.get_device_name(self.index)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and t.get_device() == self.index
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.index)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.index)
+
+    @staticmethod
+    def new_event(timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing)
+
+    @staticmethod
+    def stream(s):
+        return torch.cuda.stream(s)
+
+    def memory_allocated(self) -> int:
+        # torch.cuda.memory_allocated() flattens the whole stats dict (~100 us); this is ~20 us.
+        return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["current"]
+
+    def peak_allocated(self) -> int:
+        return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["peak"]
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def memory_limit(self) -> int:
+        """The bytes this process may allocate: the device total, times the per-process cap."""
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        fraction = 1.0
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            fraction = torch.cuda.get_per_process_memory_fraction(self.index)
+        return int(total * fraction)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+
+    @staticmethod
+    def pinned(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def note_saved(self, storage) -> None:
+        """Only the simulated device needs to be told about saved storages."""
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+
+class _SimEvent:
+    __slots__ = ()
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class _SimStream:
+    __slots__ = ()
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class SimulatedDevice:
+    """A GPU stand-in on the CPU, with a memory capacity and synchronous streams.
+
+    Args:
+        capacity: the bytes the simulated GPU holds (its ``memory_limit``).
+        pin_limit: if set, pinning more than this many bytes in total raises, like a host out of
+            pinnable memory (for fault-injection tests).
+    """
+
+    kind = "sim"
+    index = 0
+    torch_device = torch.device("cpu")
+    name = "simulated"
+
+    def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None):
+        self.capacity = int(capacity)
+        self.pin_limit = pin_limit
+        self.pinned_total = 0
+        self._lock = threading.Lock()
+        self._live: dict = {}   # id(storage) -> nbytes, for storages still alive
+        self._allocated = 0
+        self._peak = 0
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.is_cpu
+
+    def current_stream(self):
+        return _SimStream()
+
+    new_stream = current_stream
+
+    @staticmethod
+    def new_event(timing: bool = False):
+        return _SimEvent()
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
+
+    def memory_allocated(self) -> int:
+        return self._allocated
+
+    def peak_allocated(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = self._allocated
+
+    def memory_limit(self) -> int:
+        return self.capacity
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        self.note_saved(t.untyped_storage())
+        return t
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        if self.pin_limit is not None and self.pinned_total + nbytes > self.pin_limit:
+            raise RuntimeError("simulated: cannot pin host memory (pin_limit reached)")
+        self.pinned_total += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def note_saved(self, storage) -> None:
+        key = id(storage)
+        with self._lock:
+            if key in self._live:
+                return
+            self._live[key] = storage.nbytes()
+            self._allocated += self._live[key]
+            self._peak = max(self._peak, self._allocated)
+        weakref.finalize(storage, self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._allocated -= self._live.pop(key, 0)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def resolve_device(spec) -> Optional[object]:
+    """Turn ``None``/``"cuda"``/``"cuda:N"``/``"sim"``/a device object into a device, or None.
+
+    None means no accelerator is there: the caller runs as a no-op and says so.
+    """
+    if spec is not None and not isinstance(spec, str):
+        return spec
+    if spec in ("sim", "simulated"):
+        return SimulatedDevice()
+    if spec is None or spec == "cuda" or spec.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            return None
+        index = None if spec in (None, "cuda") else int(spec.split(":", 1)[1])
+        return CudaDevice(index)
+    raise ValueError(f"device must be 'cuda', 'cuda:N', 'sim' or None, got {spec!r}")

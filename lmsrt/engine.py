@@ -1,0 +1,394 @@
+"""The swap engine: pack/unpack of saved tensors, D2H and H2D streams, prefetch, release.
+
+NOTE [ Stream lifetimes ]
+Three streams touch a swapped storage: the compute stream (the user's current stream, captured
+when forward starts; autograd runs each backward node on its forward op's stream), the D2H stream
+and the H2D stream. Every rule below is a stream-ordered dependency, never a host sync:
+
+  Rule 1 (swap-out reads the right bytes). The D2H copy waits on an event recorded on the compute
+    stream when the tensor is packed, i.e. after the kernel that wrote it was queued.
+  Rule 2 (a source outlives its copy). The GPU source is held until its copy event has been seen
+    complete, or until the compute stream has been made to wait on that event; only then is the
+    reference dropped. The caching allocator is stream-ordered: a freed block is reused only by
+    work queued on the compute stream after that point, which the wait orders after the copy.
+  Rule 3 (swap-in writes a block nobody uses). A restored storage is allocated while the compute
+    stream is current, so the allocator hands out a block whose previous users are ordered before
+    now on the compute stream; the H2D copy waits on a compute event recorded after the
+    allocation, and the compute stream waits on the copy's event before the first use.
+  Rule 4 (an unused prefetch is dropped safely). A restored storage that is dropped before any
+    use first makes the compute stream wait on its copy event (Rule 2 for the H2D stream).
+  Rule 5 (host slots are reused in order). A host slot is freed only when its storage's last
+    handle is dead. Any H2D copy that read it is by then a compute-stream dependency (Rules 3
+    and 4), and every later D2H write into that slot waits on a later compute event (Rule 1), so
+    a write cannot overtake a read; two D2H writes are ordered by their one stream.
+
+Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
+forward makes activations several times faster, so sources still being copied pile up. When held
+sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its
+source is dropped at once (Rule 2).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import List, Optional
+
+import torch
+
+from .config import LMSConfig
+from .host import HostPool, HostSlot
+from .plan import OffloadPlan
+from .stats import RunStats, StepStats
+
+__all__ = ["SwapEngine"]
+
+
+class _Storage:
+    """One saved storage that is swapped out; its views come back as views of one restored copy."""
+
+    __slots__ = ("engine", "nbytes", "pos", "storage_ref", "version", "source", "host", "copy_done",
+                 "gpu", "fetch_done", "fetch_waited", "handles", "unpacked", "dead", "__weakref__")
+
+    def __init__(self, engine, nbytes: int, pos: int, storage_ref, version: int):
+        self.engine = engine
+        self.nbytes = nbytes
+        self.pos = pos                  # saved bytes before it: backward walks this down
+        self.storage_ref = storage_ref  # weakref to the source storage: tells a reused address apart
+        self.version = version
+        self.source: Optional[torch.Tensor] = None   # uint8 view of the GPU source, until released
+        self.host: Optional[HostSlot] = None
+        self.copy_done = None
+        self.gpu: Optional[torch.Tensor] = None      # restored uint8 copy on the GPU
+        self.fetch_done = None
+        self.fetch_waited = False
+        self.handles = 0                # live handles (views) in autograd graphs
+        self.unpacked = 0               # handles unpacked since the restored copy was made
+        self.dead = False
+
+
+class _Kept:
+    """Eligible storage that stays on the GPU; remembers where it sits in the save order."""
+
+    __slots__ = ("storage_ref", "version", "pos")
+
+    def __init__(self, storage_ref, version: int, pos: int):
+        self.storage_ref, self.version, self.pos = storage_ref, version, pos
+
+
+class _KeptRef:
+    __slots__ = ("tensor", "pos")
+
+    def __init__(self, tensor: torch.Tensor, pos: int):
+        self.tensor, self.pos = tensor, pos
+
+
+class _SwapRef:
+    """What autograd holds for a swapped tensor: its storage and how to view it."""
+
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, storage: _Storage, t: torch.Tensor):
+        self.storage = storage
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        storage.handles += 1
+
+    def __del__(self):
+        s = self.storage
+        s.handles -= 1
+        if s.handles == 0:
+            # Runs wherever autograd drops the graph, possibly inside engine code: only queue it.
+            s.engine._dead.append(s)
+
+
+def _eligible_storage(t: torch.Tensor, device, min_bytes: int):
+    """The storage to swap for saved tensor ``t``, or None if swapping it would free nothing."""
+    if type(t) is not torch.Tensor or not device.owns(t):
+        return None                          # parameters, subclasses, other devices
+    if t.is_leaf or (t._base is not None and t._base.is_leaf):
+        return None                          # inputs, buffers, and views of them: held elsewhere
+    if t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return None
+    storage = t.untyped_storage()
+    return storage if storage.nbytes() >= min_bytes else None
+
+
+class SwapEngine:
+    """Swaps saved tensors between the GPU and pinned host memory for one ``LMS`` object."""
+
+    def __init__(self, config: LMSConfig, device):
+        self.config = config
+        self.device = device
+        self.min_bytes = config.min_bytes
+        self.window = config.prefetch_bytes
+        self.d2h = device.new_stream()
+        self.h2d = device.new_stream()
+        self.compute = device.current_stream()
+        self.host = HostPool(device, config.host_budget_bytes)
+        self.plan = OffloadPlan()
+        self.run_stats = RunStats()
+        self.step = StepStats()
+        self.limit = device.memory_limit()
+        self.mark = int(config.lms_frac * self.limit)
+        self._lock = threading.RLock()
+        self._dead: collections.deque = collections.deque()
+        self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
+        self._by_ptr: dict = {}        # storage address -> _Storage/_Kept, for this forward
+        self._order: List[_Storage] = []   # swapped storages in save order, for prefetch
+        self._cursor = -1              # next candidate in _order to prefetch (walks down)
+        self._consumer = 0             # pos of the storage backward used last
+        self._ahead = 0                # restored bytes not yet used
+        self._index = 0                # storages saved in this forward
+        self._pos = 0                  # saved bytes so far; grows across forwards
+        self._beyond_plan = 0          # bytes the mark rule swapped beyond the plan this step
+        self._timed_waits: list = []
+        self.closed = False
+
+    # -- step boundaries ---------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        with self._lock:
+            self._reap()
+            if self.step.step:
+                self._finish_step()
+            self.step = StepStats(step=len(self.run_stats.history) + 1, mode=self.plan.mode,
+                                  plan_target_bytes=self.plan.target if self.plan.planned else 0)
+            self.compute = self.device.current_stream()
+            self._by_ptr.clear()
+            self._order = [s for s in self._order if not s.dead]
+            self._index = self._beyond_plan = 0
+            if self.plan.planned:
+                self.host.reserve(self.plan.target)
+
+    def end_forward(self) -> None:
+        with self._lock:
+            self._release_finished()
+            self._by_ptr.clear()
+            self._cursor = len(self._order) - 1
+            self._consumer = self._pos
+
+    def _finish_step(self) -> None:
+        s = self.step
+        s.gpu_peak_bytes = self.device.peak_allocated()
+        s.host_pinned_bytes = self.host.pinned_bytes
+        s.host_peak_bytes = self.host.peak_used
+        s.host_refused = self.host.refused
+        self.host.refused = 0
+        self.host.peak_used = self.host.used_bytes
+        self._collect_waits(s)
+        self.plan.finish_step(s.gpu_peak_bytes, s.out_bytes, self._beyond_plan, self.mark)
+        self.run_stats.history.append(s)
+        self.device.reset_peak()
+
+    def current_step(self) -> StepStats:
+        """The step in flight, with its peaks read now."""
+        s = self.step
+        if s.step:
+            s.gpu_peak_bytes = self.device.peak_allocated()
+            s.host_pinned_bytes = self.host.pinned_bytes
+            s.host_peak_bytes = self.host.peak_used
+            s.host_refused = self.host.refused
+            self._collect_waits(s)
+        return s
+
+    def _collect_waits(self, s: StepStats) -> None:
+        pending = []
+        for start, end in self._timed_waits:
+            if end.query():
+                s.swapin_wait_ms += start.elapsed_time(end)
+            else:
+                pending.append((start, end))
+        self._timed_waits = pending
+
+    # -- forward: pack -----------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor):
+        storage = _eligible_storage(t, self.device, self.min_bytes)
+        if storage is None:
+            self.step.skipped_tensors += 1
+            # Never hold a tensor with a grad_fn: a saved output would point back at its own node.
+            return t if t.grad_fn is None else t.detach()
+        with self._lock:
+            if self._dead:
+                self._reap()
+            version = t._version
+            entry = self._by_ptr.get(storage.data_ptr())
+            if entry is None or entry.storage_ref() is not storage or entry.version != version:
+                entry = self._new_storage(t, storage, version)
+            if type(entry) is _Kept:
+                return _KeptRef(t.detach(), entry.pos)
+            return _SwapRef(entry, t)
+
+    def _new_storage(self, t: torch.Tensor, storage, version: int):
+        import weakref
+        nbytes = storage.nbytes()
+        index, pos = self._index, self._pos
+        self._index += 1
+        self._pos += nbytes
+        self.device.note_saved(storage)
+        ref = weakref.ref(storage)
+        self._release_finished()
+        planned = self.plan.offload(index, nbytes)
+        used = None
+        if not planned:
+            used = self.device.memory_allocated()
+        entry = None
+        if planned or used > self.mark:
+            entry = self._swap_out(storage, nbytes, pos, ref, version)
+            if entry is not None and not planned:
+                self._beyond_plan += nbytes
+        if entry is None:
+            entry = _Kept(ref, version, pos)
+            self.step.kept_bytes += nbytes
+            self.step.kept_tensors += 1
+        self._by_ptr[storage.data_ptr()] = entry
+        if self._held:
+            self._bound_held(self.device.memory_allocated() if used is None else used)
+        return entry
+
+    def _swap_out(self, storage, nbytes: int, pos: int, ref, version: int) -> Optional[_Storage]:
+        slot = self.host.alloc(nbytes)
+        if slot is None:
+            return None
+        s = _Storage(self, nbytes, pos, ref, version)
+        s.host = slot
+        s.source = torch.empty(0, dtype=torch.uint8, device=self.device.torch_device).set_(storage)
+        ready = self.device.new_event()
+        ready.record(self.compute)
+        self.d2h.wait_event(ready)                         # Rule 1
+        with self.device.stream(self.d2h):
+            slot.tensor.copy_(s.source, non_blocking=True)
+            s.copy_done = self.device.new_event()
+            s.copy_done.record(self.d2h)
+        self._held.append(s)
+        self._order.append(s)
+        self.step.out_bytes += nbytes
+        self.step.out_tensors += 1
+        return s
+
+    def _release_finished(self) -> None:
+        held = self._held
+        while held and (held[0].source is None or held[0].copy_done.query()):
+            held.popleft().source = None                   # Rule 2: copy seen complete
+
+    def _bound_held(self, used: int) -> None:
+        held = self._held
+        while held and used > self.mark:
+            s = held.popleft()
+            if s.source is None:
+                continue
+            self.compute.wait_event(s.copy_done)          # Rule 2: wait, then drop at once
+            s.source = None
+            used -= s.nbytes
+            self.step.swapout_waits += 1
+
+    # -- backward: unpack --------------------------------------------------------------------
+
+    def unpack(self, ref):
+        if type(ref) is _KeptRef:
+            with self._lock:
+                self._advance(ref.pos)
+            return ref.tensor
+        if type(ref) is not _SwapRef:
+            return ref
+        with self._lock:
+            if self._dead:
+                self._reap()
+            s = ref.storage
+            data = self._resident(s)
+            s.unpacked += 1
+            if s.unpacked >= s.handles and s.source is None:
+                # Every view has been handed out: autograd's references keep the block alive for
+                # as long as it is read; ours would keep it for the rest of backward.
+                s.gpu = None
+                s.unpacked = 0
+                self._ahead -= s.nbytes
+            self._advance(s.pos)
+        return torch.empty(0, dtype=ref.dtype, device=data.device).set_(
+            data.untyped_storage(), ref.offset, ref.size, ref.stride)
+
+    def _resident(self, s: _Storage) -> torch.Tensor:
+        if s.source is not None:
+            return s.source
+        if s.gpu is None:
+            self.step.prefetch_misses += 1
+            self._fetch(s)
+        else:
+            self.step.prefetch_hits += 1
+        if not s.fetch_waited:
+            self._wait_fetch(s)
+        return s.gpu
+
+    def _wait_fetch(self, s: _Storage) -> None:
+        if s.fetch_done.query():
+            self.compute.wait_event(s.fetch_done)
+        else:
+            start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
+            start.record(self.compute)
+            self.compute.wait_event(s.fetch_done)        # Rule 3: wait before the first use
+            end.record(self.compute)
+            self._timed_waits.append((start, end))
+        s.fetch_waited = True
+
+    def _fetch(self, s: _Storage) -> None:
+        s.gpu = self.device.empty(s.nbytes)             # Rule 3: allocated on the compute stream
+        ready = self.device.new_event()
+        ready.record(self.compute)
+        self.h2d.wait_event(ready)
+        with self.device.stream(self.h2d):
+            s.gpu.copy_(s.host.tensor, non_blocking=True)
+            s.fetch_done = self.device.new_event()
+            s.fetch_done.record(self.h2d)
+        s.fetch_waited = False
+        s.unpacked = 0
+        self._ahead += s.nbytes
+        self.step.in_bytes += s.nbytes
+        self.step.in_tensors += 1
+
+    def _advance(self, pos: int) -> None:
+        """Backward has reached ``pos``: fetch swapped storages up to ``window`` bytes below it."""
+        if pos > self._consumer:          # backward went back up: a new pass (retain_graph)
+            self._cursor = len(self._order) - 1
+        self._consumer = pos
+        order = self._order
+        while self._cursor >= 0:
+            s = order[self._cursor]
+            if s.dead or s.gpu is not None or s.source is not None or s.pos >= pos:
+                self._cursor -= 1
+                continue
+            if pos - s.pos > self.window or (self._ahead and self._ahead + s.nbytes > self.window):
+                break
+            self._fetch(s)
+            self._cursor -= 1
+
+    # -- release -----------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Give back what dead storages held (autograd freed every graph that used them)."""
+        dead = self._dead
+        while dead:
+            s = dead.popleft()
+            s.dead = True
+            if s.gpu is not None:
+                if not s.fetch_waited:
+                    self.compute.wait_event(s.fetch_done)   # Rule 4
+                s.gpu = None
+                self._ahead -= s.nbytes
+            if s.source is not None:
+                self.compute.wait_event(s.copy_done)        # Rule 2
+                s.source = None
+            if s.host is not None:
+                self.host.free(s.host)                      # Rule 5
+                s.host = None
+
+    def close(self) -> None:
+        """Wait for copies in flight and give back pinned memory. The engine is unusable after."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.device.synchronize()
+            self._reap()
+            self._held.clear()
+            self._order.clear()
+            self._by_ptr.clear()
+            self.host.close()

@@ -1,0 +1,145 @@
+"""``lmsrt.LMS``: the context manager users put around their forward pass."""
+from __future__ import annotations
+
+import atexit
+import threading
+import warnings
+import weakref
+from typing import Dict, Optional
+
+import torch
+
+from . import arena
+from .config import LMSConfig
+from .device import resolve_device
+from .engine import SwapEngine
+from .stats import StepStats, format_summary
+
+__all__ = ["LMS"]
+
+_live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Pinned slabs go back before CUDA tears down (a static buffer that outlived the driver
+    # crashed Caffe LMS at exit).
+    for engine in list(_live_engines):
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
+class LMS:
+    """Large model support: swap tensors saved for backward to pinned host memory and back.
+
+    Create it once and reuse it every step (its pinned pools and its plan persist). Around the
+    forward pass only; backward brings swapped tensors back, prefetched, by itself.
+
+    Args:
+        lms: KB; smaller saved tensors stay on the GPU. ``lms <= 0`` turns swapping off.
+        lms_frac: in [0, 1]; no swapping while this process's GPU use stays under ``lms_frac``
+            times the memory it may use, and above it only as much as keeps it under.
+        prefetch_mb: the most bytes (MiB) brought back ahead of backward and not yet used.
+        host_budget_gb: the most pinned host memory to use (default: 80% of free, per rank).
+        device: ``None`` (the current CUDA device), ``"cuda:N"``, or ``"sim"`` for CPU tests.
+        config: an ``LMSConfig`` instead of the arguments above.
+
+    Example::
+
+        lms = lmsrt.LMS(lms=1000, lms_frac=0.4)
+        for x, y in loader:
+            with lms:
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step(); opt.zero_grad()
+        print(lms.summary())
+    """
+
+    def __init__(self, lms: float = 1000.0, lms_frac: float = 0.75, *, prefetch_mb: float = 1024.0,
+                 host_budget_gb: Optional[float] = None, device=None,
+                 config: Optional[LMSConfig] = None):
+        if config is None:
+            spec = device if device is None or isinstance(device, str) else None
+            config = LMSConfig(lms=lms, lms_frac=lms_frac, prefetch_mb=prefetch_mb,
+                               host_budget_gb=host_budget_gb, device=spec)
+        elif not isinstance(config, LMSConfig):
+            raise TypeError(f"config must be an lmsrt.LMSConfig, got {type(config).__name__}")
+        self.config = config
+        self._device = resolve_device(device if device is not None else config.device)
+        self._engine: Optional[SwapEngine] = None
+        self._active = threading.local()
+        if self._device is None:
+            if config.enabled:
+                warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; "
+                              "run on a GPU machine, or pass device='sim' to test on the CPU.",
+                              RuntimeWarning, stacklevel=2)
+        elif config.enabled:
+            self._engine = SwapEngine(config, self._device)
+            _live_engines.add(self._engine)
+
+    @classmethod
+    def from_env(cls, **overrides) -> "LMS":
+        """An LMS configured from ``LMSRT_*`` environment variables (as ``lmsrt run`` sets them).
+
+        Example::
+
+            lms = lmsrt.LMS.from_env()    # LMSRT_LMS=1000 LMSRT_LMS_FRAC=0.4 python train.py
+        """
+        return cls(config=LMSConfig.from_env(**overrides))
+
+    @property
+    def enabled(self) -> bool:
+        """True when this LMS swaps (a device is there and ``lms > 0``)."""
+        return self._engine is not None
+
+    def __enter__(self) -> "LMS":
+        if getattr(self._active, "hooks", None) is not None:
+            raise RuntimeError("this LMS is already active on this thread; `with lms:` blocks "
+                               "cannot be nested. Use one block around the whole forward pass.")
+        if self._engine is None:
+            self._active.hooks = False
+            return self
+        if self._engine.closed:
+            raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
+        self._engine.begin_forward()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._engine.pack, self._engine.unpack)
+        hooks.__enter__()
+        self._active.hooks = hooks
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hooks = self._active.hooks
+        self._active.hooks = None
+        if hooks:
+            hooks.__exit__(*exc)
+            self._engine.end_forward()
+
+    def stats(self) -> Dict[str, object]:
+        """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""
+        step = self._engine.current_step() if self._engine else StepStats()
+        totals = self._engine.run_stats.totals(step) if self._engine else {}
+        return {
+            "enabled": self.enabled,
+            "device": getattr(self._device, "name", None),
+            "config": {"lms": self.config.lms, "lms_frac": self.config.lms_frac,
+                       "prefetch_mb": self.config.prefetch_mb,
+                       "host_budget_gb": self.config.host_budget_gb},
+            "allocator": arena.native_status(),
+            "mark_bytes": self._engine.mark if self._engine else 0,
+            "limit_bytes": self._engine.limit if self._engine else 0,
+            "last_step": step.as_dict(),
+            "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
+            | {"steps": 0},
+            "history": [s.as_dict() for s in self._engine.run_stats.history] if self._engine else [],
+        }
+
+    def summary(self) -> str:
+        """One screen: bytes out and in, prefetch hits, waits, GPU and host peaks."""
+        return format_summary(self.stats())
+
+    def close(self) -> None:
+        """Finish copies in flight and give back pinned memory; the LMS cannot be used after."""
+        if self._engine is not None:
+            self._engine.close()

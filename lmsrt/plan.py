@@ -1,0 +1,70 @@
+"""Record a step's sequence of saved storages, and plan which of them later steps offload.
+
+Step 1 is reactive: storages are swapped once GPU use passes the mark, so the *latest* ones go
+out, which backward needs first. From the step after, if the sequence of saved storages repeats
+(same sizes in the same order), the plan offloads the *earliest* ones instead: backward needs
+them last, so their copies have the whole rest of forward to go out and most of backward to come
+back. It offloads only ``target`` bytes, and the target follows the measured peak:
+
+- after a reactive step, ``target`` = the bytes that step swapped plus any overshoot of the peak;
+- after a planned step, it grows by what the mark rule had to swap beyond the plan and by any
+  overshoot, and shrinks by half the unused room when the peak stayed well under the mark.
+
+A sequence that differs (dynamic shapes) makes the rest of that step reactive and is recorded
+for the next one.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import List
+
+__all__ = ["OffloadPlan"]
+
+# Shrink the target only when the peak is this far under the mark, so the plan does not oscillate.
+_SLACK = 0.05
+
+
+class OffloadPlan:
+    """Which saved storages (by index in the forward's sequence) to offload."""
+
+    def __init__(self) -> None:
+        self.recorded: List[int] = []   # storage sizes of the last finished step, in save order
+        self.current: List[int] = []    # sizes seen so far in this step
+        self.target = 0                 # bytes to offload, earliest first
+        self.cutoff = 0                 # offload storages with index < cutoff
+        self.planned = False            # False: this step is reactive
+        self.matched = True             # this step's sequence matches the recording so far
+
+    @property
+    def mode(self) -> str:
+        return "plan" if self.planned and self.matched else "reactive"
+
+    def offload(self, index: int, nbytes: int) -> bool:
+        """Record storage ``index`` of this step; True if the plan offloads it."""
+        self.current.append(nbytes)
+        if not (self.planned and self.matched):
+            return False
+        if index < len(self.recorded) and self.recorded[index] == nbytes:
+            return index < self.cutoff
+        self.matched = False
+        return False
+
+    def finish_step(self, peak: int, swapped: int, beyond_plan: int, mark: int) -> None:
+        """Update the target from the step just finished and start recording the next one."""
+        repeated = self.planned and self.matched and len(self.current) == len(self.recorded)
+        overshoot = max(0, peak - mark)
+        if repeated:
+            target = self.target + beyond_plan + overshoot
+            room = mark * (1 - _SLACK) - peak
+            if beyond_plan == 0 and room > 0:
+                target -= room / 2
+        else:
+            target = swapped + overshoot
+        self.recorded, self.current = self.current, []
+        self.target = max(0, int(target))
+        cumulative = list(itertools.accumulate(self.recorded))
+        self.cutoff = min(len(cumulative), bisect.bisect_left(cumulative, self.target) + 1) \
+            if self.target > 0 else 0
+        self.planned = bool(self.recorded)
+        self.matched = True

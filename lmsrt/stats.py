@@ -1,0 +1,104 @@
+"""Counters of the swap engine, per step and in total, and the one-screen summary."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+__all__ = ["StepStats", "RunStats", "format_summary"]
+
+GiB = float(2**30)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one step (one ``with lms:`` forward and the backward after it) did."""
+
+    step: int = 0
+    mode: str = "off"              # "reactive" (step 1, or a changed sequence) or "plan"
+    plan_target_bytes: int = 0     # bytes the plan meant to offload (earliest saved first)
+    out_bytes: int = 0             # swapped out to pinned host memory
+    out_tensors: int = 0           # storages swapped out (views of one storage count once)
+    kept_bytes: int = 0            # eligible but kept on the GPU
+    kept_tensors: int = 0
+    skipped_tensors: int = 0       # saved tensors not eligible (small, parameters, other devices)
+    in_bytes: int = 0              # brought back for backward
+    in_tensors: int = 0
+    prefetch_hits: int = 0         # needed tensor was already fetched ahead
+    prefetch_misses: int = 0       # needed tensor was fetched on demand
+    swapin_wait_ms: float = 0.0    # time the compute stream waited on swap-in copies
+    swapout_waits: int = 0         # times forward waited on a swap-out to stay under the mark
+    host_refused: int = 0          # swap-outs refused by the host budget (kept on the GPU)
+    gpu_peak_bytes: int = 0        # peak allocated GPU memory of the step
+    host_pinned_bytes: int = 0     # pinned host memory held at the end of the step
+    host_peak_bytes: int = 0       # peak pinned bytes in use
+
+    def as_dict(self) -> Dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+_SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors", "in_bytes",
+           "in_tensors", "prefetch_hits", "prefetch_misses", "swapin_wait_ms", "swapout_waits",
+           "host_refused")
+
+
+@dataclasses.dataclass
+class RunStats:
+    """All finished steps plus the one in flight."""
+
+    history: List[StepStats] = dataclasses.field(default_factory=list)
+
+    def totals(self, current: StepStats) -> Dict[str, object]:
+        steps = self.history + ([current] if current.step else [])
+        total: Dict[str, object] = {name: sum(getattr(s, name) for s in steps) for name in _SUMMED}
+        total["steps"] = len(steps)
+        total["gpu_peak_bytes"] = max((s.gpu_peak_bytes for s in steps), default=0)
+        total["host_peak_bytes"] = max((s.host_peak_bytes for s in steps), default=0)
+        total["host_pinned_bytes"] = current.host_pinned_bytes
+        return total
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def format_summary(stats: Dict[str, object]) -> str:
+    """The one-screen summary of ``LMS.stats()``."""
+    t, last = stats["total"], stats["last_step"]
+    lines = [
+        f"lmsrt  lms={stats['config']['lms']:g} KB  lms_frac={stats['config']['lms_frac']:g}  "
+        f"device={stats['device']}  mark={stats['mark_bytes'] / GiB:.2f} GiB  "
+        f"allocator={stats['allocator']}",
+        f"{'':22}{'last step':>14}{'total':>14}",
+    ]
+    rows = [
+        ("steps", None, t["steps"]),
+        ("mode", last["mode"], None),
+        ("swapped out", last["out_bytes"], t["out_bytes"]),
+        ("  tensors", last["out_tensors"], t["out_tensors"]),
+        ("swapped in", last["in_bytes"], t["in_bytes"]),
+        ("  prefetch hits", last["prefetch_hits"], t["prefetch_hits"]),
+        ("  prefetch misses", last["prefetch_misses"], t["prefetch_misses"]),
+        ("kept on GPU", last["kept_bytes"], t["kept_bytes"]),
+        ("not eligible (count)", last["skipped_tensors"], t["skipped_tensors"]),
+        ("swap-in wait (ms)", last["swapin_wait_ms"], t["swapin_wait_ms"]),
+        ("swap-out waits", last["swapout_waits"], t["swapout_waits"]),
+        ("host refusals", last["host_refused"], t["host_refused"]),
+        ("GPU peak allocated", last["gpu_peak_bytes"], t["gpu_peak_bytes"]),
+        ("host pinned peak", last["host_peak_bytes"], t["host_peak_bytes"]),
+    ]
+    for name, a, b in rows:
+        cells = []
+        for v in (a, b):
+            if v is None:
+                cells.append(f"{'':>14}")
+            elif isinstance(v, str):
+                cells.append(f"{v:>14}")
+            elif "bytes" in name or name in ("swapped out", "swapped in", "kept on GPU",
+                                             "GPU peak allocated", "host pinned peak"):
+                cells.append(f"{_gib(v):>14}")
+            elif isinstance(v, float):
+                cells.append(f"{v:14.1f}")
+            else:
+                cells.append(f"{v:14d}")
+        lines.append(f"{name:22}" + "".join(cells))
+    return "\n".join(lines)

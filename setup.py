@@ -1,0 +1,45 @@
+"""Optional native extension for lmsrt; metadata lives in pyproject.toml.
+
+``lmsrt._native`` only accelerates the offset allocator, and lmsrt.arena falls
+back to a pure-Python allocator with identical behaviour, so a failed compile
+(no compiler, no pybind11, unsupported platform) must not fail the install.
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+GCC_STYLE_FLAGS = ["-O2", "-std=c++17"]
+MSVC_FLAGS = ["/O2", "/std:c++17"]
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that reports a failed native build in one line instead of failing."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # compiler, linker and missing-toolchain errors alike
+            reason = (str(exc).splitlines() or [""])[0]
+            print(f"lmsrt: native extension not built ({type(exc).__name__}: {reason}); "
+                  "the pure-Python allocator will be used")
+
+    def build_extension(self, ext: Extension) -> None:
+        # Imported here so that a missing pybind11 is just another build failure.
+        import pybind11
+
+        ext.include_dirs.append(pybind11.get_include())
+        flags = MSVC_FLAGS if self.compiler.compiler_type == "msvc" else GCC_STYLE_FLAGS
+        ext.extra_compile_args.extend(flags)
+        super().build_extension(ext)
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "lmsrt._native",
+            sources=["csrc/offset_allocator.cpp"],
+            language="c++",
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
