@@ -51,7 +51,7 @@ class LMSConfig:
 
     lms: float = 1000.0
     lms_frac: float = 0.75
-    prefetch_mb: float = 1024.0
+    prefetch_mb: float = 4096.0
     host_budget_gb: Optional[float] = None
     device: Optional[str] = None
 

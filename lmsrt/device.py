@@ -79,16 +79,24 @@ class CudaDevice:
 
 
 class _SimEvent:
-    __slots__ = ()
+    """Completes after ``lag`` queries, or at once when a stream waits on it: copies that lag
+    behind compute, as they do on a GPU, without any real concurrency."""
+
+    __slots__ = ("lag", "remaining")
+
+    def __init__(self, lag: int = 0):
+        self.lag = lag
+        self.remaining = 0
 
     def record(self, stream=None) -> None:
-        pass
+        self.remaining = self.lag
 
     def query(self) -> bool:
-        return True
+        self.remaining -= 1
+        return self.remaining < 0
 
     def synchronize(self) -> None:
-        pass
+        self.remaining = -1
 
     def elapsed_time(self, other) -> float:
         return 0.0
@@ -98,7 +106,7 @@ class _SimStream:
     __slots__ = ()
 
     def wait_event(self, event) -> None:
-        pass
+        event.synchronize()
 
     def synchronize(self) -> None:
         pass
@@ -111,6 +119,8 @@ class SimulatedDevice:
         capacity: the bytes the simulated GPU holds (its ``memory_limit``).
         pin_limit: if set, pinning more than this many bytes in total raises, like a host out of
             pinnable memory (for fault-injection tests).
+        copy_lag: events report "not done" for this many queries, so swapped sources stay held
+            the way they do while a GPU copy is in flight.
     """
 
     kind = "sim"
@@ -118,8 +128,9 @@ class SimulatedDevice:
     torch_device = torch.device("cpu")
     name = "simulated"
 
-    def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None):
+    def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None, copy_lag: int = 0):
         self.capacity = int(capacity)
+        self.copy_lag = copy_lag
         self.pin_limit = pin_limit
         self.pinned_total = 0
         self._lock = threading.Lock()
@@ -135,9 +146,8 @@ class SimulatedDevice:
 
     new_stream = current_stream
 
-    @staticmethod
-    def new_event(timing: bool = False):
-        return _SimEvent()
+    def new_event(self, timing: bool = False):
+        return _SimEvent(self.copy_lag)
 
     @staticmethod
     def stream(s):

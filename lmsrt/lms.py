@@ -57,7 +57,7 @@ class LMS:
         print(lms.summary())
     """
 
-    def __init__(self, lms: float = 1000.0, lms_frac: float = 0.75, *, prefetch_mb: float = 1024.0,
+    def __init__(self, lms: float = 1000.0, lms_frac: float = 0.75, *, prefetch_mb: float = 4096.0,
                  host_budget_gb: Optional[float] = None, device=None,
                  config: Optional[LMSConfig] = None):
         if config is None:

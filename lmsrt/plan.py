@@ -6,9 +6,14 @@ out, which backward needs first. From the step after, if the sequence of saved s
 them last, so their copies have the whole rest of forward to go out and most of backward to come
 back. It offloads only ``target`` bytes, and the target follows the measured peak:
 
-- after a reactive step, ``target`` = the bytes that step swapped plus any overshoot of the peak;
-- after a planned step, it grows by what the mark rule had to swap beyond the plan and by any
-  overshoot, and shrinks by half the unused room when the peak stayed well under the mark.
+- after a reactive step, ``target`` = the bytes that step swapped;
+- after a planned step, it grows by what the mark rule had to swap beyond the plan and by how far
+  GPU use at the end of forward (net of copies still in flight) stood over the mark, and shrinks
+  by half the unused room when it stood well under.
+
+The signal is use at the end of forward, not the step's peak: the plan controls what is resident
+when backward starts, while a peak inside backward (gradients, workspaces, the one storage always
+fetched ahead) does not fall by offloading more, and chasing it would end up swapping everything.
 
 A sequence that differs (dynamic shapes) makes the rest of that step reactive and is recorded
 for the next one.
@@ -40,6 +45,11 @@ class OffloadPlan:
     def mode(self) -> str:
         return "plan" if self.planned and self.matched else "reactive"
 
+    @property
+    def followed(self) -> bool:
+        """Whether the step so far (or just finished) repeated the recorded sequence."""
+        return self.planned and self.matched and len(self.current) == len(self.recorded)
+
     def offload(self, index: int, nbytes: int) -> bool:
         """Record storage ``index`` of this step; True if the plan offloads it."""
         self.current.append(nbytes)
@@ -50,17 +60,17 @@ class OffloadPlan:
         self.matched = False
         return False
 
-    def finish_step(self, peak: int, swapped: int, beyond_plan: int, mark: int) -> None:
+    def finish_step(self, forward_end_use: int, swapped: int, beyond_plan: int, mark: int) -> None:
         """Update the target from the step just finished and start recording the next one."""
-        repeated = self.planned and self.matched and len(self.current) == len(self.recorded)
-        overshoot = max(0, peak - mark)
-        if repeated:
-            target = self.target + beyond_plan + overshoot
-            room = mark * (1 - _SLACK) - peak
+        if self.followed:
+            target = self.target + beyond_plan + max(0, forward_end_use - mark)
+            room = mark * (1 - _SLACK) - forward_end_use
             if beyond_plan == 0 and room > 0:
                 target -= room / 2
         else:
-            target = swapped + overshoot
+            # A reactive step's own overshoot comes from its backward (it swapped the latest
+            # tensors, which come back first, at the peak): it says nothing about a plan.
+            target = swapped
         self.recorded, self.current = self.current, []
         self.target = max(0, int(target))
         cumulative = list(itertools.accumulate(self.recorded))

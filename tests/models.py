@@ -1,0 +1,107 @@
+"""Small models shared by the tests, and the helpers that train them with and without LMS."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import lmsrt
+from lmsrt.device import SimulatedDevice
+
+# Every check runs on the simulated device, and on CUDA under the `cuda` marker.
+DEVICES = [pytest.param("sim", id="sim"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+def torch_device(kind: str) -> torch.device:
+    return torch.device("cuda" if kind == "cuda" else "cpu")
+
+
+def make_lms(kind: str, capacity: int = 1 << 30, copy_lag: int = 0, **kw) -> lmsrt.LMS:
+    device = SimulatedDevice(capacity=capacity, copy_lag=copy_lag) if kind == "sim" else "cuda"
+    kw.setdefault("lms", 1)
+    kw.setdefault("lms_frac", 0.0)
+    return lmsrt.LMS(device=device, **kw)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with hand-written attention (deterministic on CUDA)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)      # three views of one storage
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def transformer(d=64, layers=4, heads=4):
+    return nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+
+
+def mlp(d=128, layers=6):
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(layers)])
+
+
+def convnet(c=8):
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
+        nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
+        nn.Upsample(scale_factor=2), nn.Conv2d(c, 2, 1))
+
+
+class ViewsModel(nn.Module):
+    """Saves views, transposes and chunks of shared storages, and an expanded tensor."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin = nn.Linear(d, 2 * d)
+        self.w = nn.Parameter(torch.randn(d, d) / d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a, b = h.chunk(2, dim=-1)                # two views of one storage
+        y = a.sigmoid() * b.t().t()              # b saved through a double transpose
+        z = y.t() @ a                            # a transpose view saved by matmul
+        w = y[:, ::2].exp()                      # strided view
+        return z.sum() + (w * self.w[0, : w.shape[1]]).sum() + (y @ self.w.t()).square().sum()
+
+
+def train_step(model, inputs, lms=None, create_graph=False, retain=False):
+    """One forward/backward; returns (loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    if lms is not None:
+        with lms:
+            out = model(inputs)
+    else:
+        out = model(inputs)
+    loss = out.float().square().mean()
+    if create_graph:
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        second = sum(g.square().sum() for g in grads)
+        second.backward()
+    else:
+        loss.backward(retain_graph=retain)
+        if retain:
+            loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def assert_same(ref, got):
+    (ref_loss, ref_grads), (loss, grads) = ref, got
+    assert torch.equal(ref_loss, loss), (ref_loss, loss)
+    for i, (a, b) in enumerate(zip(ref_grads, grads)):
+        assert torch.equal(a, b), f"gradient {i} differs: max |d| = {(a - b).abs().max().item()}"

@@ -1,0 +1,253 @@
+"""Exact gradients, swap counts, plan, prefetch and release, on the simulated device and CUDA."""
+import pytest
+import torch
+
+import lmsrt
+from lmsrt.device import SimulatedDevice
+from models import (DEVICES, ViewsModel, assert_same, convnet, make_lms, mlp, torch_device,
+                    train_step, transformer)
+
+
+def _check_exact(kind, build, shape, steps=3, **step_kw):
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = build().to(dev)
+    x = torch.randn(*shape, device=dev)
+    ref = train_step(model, x, **step_kw)
+    lms = make_lms(kind)
+    for _ in range(steps):
+        assert_same(ref, train_step(model, x, lms=lms, **step_kw))
+    stats = lms.stats()
+    assert stats["total"]["out_tensors"] > 0, "nothing was swapped: the check proves nothing"
+    # Each backward pass brings a storage back at most once (sources still on the GPU need none).
+    passes = 2 if step_kw.get("retain") or step_kw.get("create_graph") else 1
+    last = stats["last_step"]
+    assert 0 < last["in_bytes"] <= passes * last["out_bytes"], last
+    if kind == "sim" and passes == 1:
+        assert last["in_bytes"] == last["out_bytes"], last
+    return lms
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_mlp_exact(kind):
+    _check_exact(kind, mlp, (64, 128))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_transformer_exact(kind):
+    _check_exact(kind, transformer, (4, 32, 64))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_convnet_batchnorm_inplace_relu_exact(kind):
+    _check_exact(kind, convnet, (4, 3, 32, 32))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_views_and_shared_storage_exact(kind):
+    lms = _check_exact(kind, ViewsModel, (48, 64))
+    step = lms.stats()["last_step"]
+    # lin's output holds a, b and their views: swapped once, however many views were saved.
+    assert step["out_tensors"] < step["out_tensors"] + step["skipped_tensors"]
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_retain_graph_backward_twice_exact(kind):
+    _check_exact(kind, transformer, (2, 16, 64), retain=True)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_double_backward_exact(kind):
+    _check_exact(kind, mlp, (32, 128), create_graph=True)
+
+
+def test_chunk_views_are_copied_once():
+    lms = make_lms("sim")
+    h = None
+
+    def fwd(x, w):
+        nonlocal h
+        h = x @ w                         # one storage
+        q, k, v = h.chunk(3, dim=-1)
+        return (q.sigmoid() * k.exp() * v.tanh()).sum()   # each of q, k, v saved
+
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 96, requires_grad=True)
+    ref = torch.autograd.grad(fwd(x, w), (x, w))
+    with lms:
+        loss = fwd(x, w)
+    del h
+    got = torch.autograd.grad(loss, (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    step = lms.stats()["last_step"]
+    h_bytes = 64 * 96 * 4
+    # h's storage went out once even though three views of it were saved.
+    assert step["in_bytes"] >= h_bytes
+    assert step["out_bytes"] < 2 * h_bytes + 3 * 64 * 32 * 4 * 3
+
+
+def test_small_tensors_params_and_inputs_are_not_swapped():
+    lms = make_lms("sim", lms=64)                  # 64 KB threshold
+    lin = torch.nn.Linear(256, 256)
+    weight = torch.nn.Parameter(torch.randn(128, 256))
+    x = torch.randn(128, 256)      # 128 KB input: held by the caller, swapping it frees nothing
+    with lms:
+        h = lin(x).tanh()          # saves x (an input) and h (128 KB: swapped)
+        y = (weight * h).sum()     # saves weight (a parameter) and h again (same storage)
+        small = (torch.randn(8, 256, requires_grad=True) * 3).exp()   # 8 KB: under the threshold
+    (y + small.sum()).backward()
+    step = lms.stats()["last_step"]
+    assert step["out_tensors"] == 1 and step["out_bytes"] == 128 * 256 * 4
+    assert step["skipped_tensors"] == 3            # x, weight, the small exp output
+
+
+def test_lms_zero_or_negative_disables():
+    for value in (0, -1):
+        lms = lmsrt.LMS(lms=value, device=SimulatedDevice())
+        assert not lms.enabled
+        with lms:
+            y = (torch.randn(100, 100, requires_grad=True) * 2).exp()
+        y.sum().backward()
+        assert lms.stats()["total"]["out_bytes"] == 0
+
+
+def _saved_sequence_model():
+    torch.manual_seed(0)
+    return mlp(d=128, layers=8)
+
+
+@pytest.mark.parametrize("copy_lag", [0, 3])
+def test_reactive_first_step_then_plan_offloads_earliest(copy_lag):
+    """Step 1 swaps once use passes the mark (latest tensors); later steps swap the earliest.
+    With copies lagging forward (copy_lag), sources still in flight must not count as demand."""
+    model = _saved_sequence_model()
+    x = torch.randn(256, 128)
+    act = 256 * 128 * 4                       # bytes of one activation
+    # The mark sits at half of what the saved activations need.
+    lms = make_lms("sim", capacity=8 * act, lms_frac=0.5, copy_lag=copy_lag)   # mark: 4 of 8
+    order = []
+    engine = lms._engine
+    swap_out = engine._swap_out
+
+    def spy(storage, nbytes, ref, version):
+        s = swap_out(storage, nbytes, ref, version)
+        order.append(engine._index - 1)            # index of the storage in this forward
+        return s
+
+    engine._swap_out = spy
+    ref = train_step(model, x)
+    history = []
+    for _ in range(4):
+        order.clear()
+        assert_same(ref, train_step(model, x, lms=lms))
+        history.append((lms.stats()["last_step"]["mode"], list(order)))
+    mode1, first = history[0]
+    assert mode1 == "reactive" and first and min(first) > 0, history
+    for mode, swapped in history[1:]:
+        assert mode == "plan", history
+        assert swapped == list(range(len(swapped))), f"plan must swap a prefix: {history}"
+    # The plan moves no more than the reactive step needed, plus at most one activation.
+    assert len(history[-1][1]) <= len(first) + 1
+    assert max(s["gpu_peak_bytes"] for s in lms.stats()["history"][1:]) <= lms._engine.mark + act
+
+
+def test_changed_sequence_falls_back_to_reactive():
+    model = _saved_sequence_model()
+    lms = make_lms("sim", capacity=8 * 256 * 128 * 4, lms_frac=0.5)
+    for batch in (256, 256, 192, 192):
+        x = torch.randn(batch, 128)
+        assert_same(train_step(model, x), train_step(model, x, lms=lms))
+    modes = [s["mode"] for s in lms.stats()["history"]] + [lms.stats()["last_step"]["mode"]]
+    assert modes == ["reactive", "plan", "reactive", "plan"], modes
+
+
+def test_prefetch_runs_in_reverse_save_order():
+    model = _saved_sequence_model()
+    x = torch.randn(64, 128)
+    lms = make_lms("sim", prefetch_mb=1)
+    engine = lms._engine
+    fetched = []
+    fetch = engine._fetch
+
+    def spy(s):
+        fetched.append(s.index)
+        fetch(s)
+
+    engine._fetch = spy
+    assert_same(train_step(model, x), train_step(model, x, lms=lms))
+    assert len(fetched) == lms.stats()["last_step"]["out_tensors"] > 1
+    assert fetched == sorted(fetched, reverse=True)
+    step = lms.stats()["last_step"]
+    assert step["prefetch_hits"] > step["prefetch_misses"]
+
+
+def test_dead_graph_returns_host_and_gpu_memory():
+    lms = make_lms("sim")
+    engine = lms._engine
+    model = _saved_sequence_model()
+    x = torch.randn(64, 128)
+    with lms:
+        loss = model(x).sum()
+    assert engine.host.used_bytes > 0
+    del loss                                   # the graph dies without a backward
+    with lms:
+        pass
+    assert engine.host.used_bytes == 0
+    assert all(s.dead for s in engine._order) or not engine._order
+
+
+def test_retain_graph_keeps_host_copies_until_graph_dies():
+    lms = make_lms("sim")
+    engine = lms._engine
+    model = _saved_sequence_model()
+    x = torch.randn(64, 128)
+    with lms:
+        loss = model(x).sum()
+    held = engine.host.used_bytes
+    loss.backward(retain_graph=True)
+    assert engine.host.used_bytes == held      # still needed by a second backward
+    loss.backward()
+    del loss
+    with lms:
+        pass
+    assert engine.host.used_bytes == 0
+
+
+def test_host_budget_refusal_keeps_tensors_on_gpu_exact():
+    model = _saved_sequence_model()
+    x = torch.randn(64, 128)
+    lms = make_lms("sim", host_budget_gb=0)
+    with pytest.warns(RuntimeWarning, match="host memory budget"):
+        got = train_step(model, x, lms=lms)
+    assert_same(train_step(model, x), got)
+    step = lms.stats()["last_step"]
+    assert step["out_bytes"] == 0 and step["kept_tensors"] > 0 and step["host_refused"] > 0
+
+
+def test_summary_and_stats_shape():
+    lms = make_lms("sim")
+    train_step(_saved_sequence_model(), torch.randn(64, 128), lms=lms)
+    s = lms.stats()
+    for key in ("out_bytes", "in_bytes", "kept_bytes", "prefetch_hits", "prefetch_misses",
+                "swapin_wait_ms", "gpu_peak_bytes", "host_peak_bytes"):
+        assert key in s["last_step"] and key in s["total"]
+    text = lms.summary()
+    assert "swapped out" in text and "prefetch hits" in text and len(text.splitlines()) < 25
+
+
+def test_nested_with_is_refused():
+    lms = make_lms("sim")
+    with lms:
+        with pytest.raises(RuntimeError, match="nested"):
+            with lms:
+                pass
+
+
+def test_no_gpu_is_a_noop_with_warning(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="no CUDA device"):
+        lms = lmsrt.LMS()
+    assert not lms.enabled
+    with lms:
+        y = (torch.randn(10, requires_grad=True) * 2).exp()
+    y.sum().backward()
