@@ -136,12 +136,14 @@ class SwapEngine:
         self._beyond_plan = 0          # bytes the mark rule swapped beyond the plan this step
         self._forward_end_use = 0      # GPU use when forward ended, net of copies in flight
         self._timed_waits: list = []
+        self._backward_seen = False    # an unpack happened since this step's forward began
         self.closed = False
 
     # -- step boundaries ---------------------------------------------------------------------
 
     def begin_forward(self) -> None:
         with self._lock:
+            self._backward_seen = False
             self._reap()
             if self.step.step:
                 self._finish_step()
@@ -207,6 +209,11 @@ class SwapEngine:
             # Never hold a tensor with a grad_fn: a saved output would point back at its own node.
             return t if t.grad_fn is None else t.detach()
         with self._lock:
+            if self._backward_seen and torch._C._current_graph_task_id() == -1:
+                # One `with lms:` around a whole loop (or `lmsrt run`): a forward that follows a
+                # backward starts a new step. Packs inside backward (checkpoint recompute) do not.
+                self.end_forward()
+                self.begin_forward()
             if self._dead:
                 self._reap()
             version = t._version
@@ -289,6 +296,7 @@ class SwapEngine:
     # -- backward: unpack --------------------------------------------------------------------
 
     def unpack(self, ref):
+        self._backward_seen = True
         if type(ref) is not _SwapRef:
             if self._cursor >= 0:               # every unpack moves prefetch along
                 with self._lock:

@@ -18,6 +18,16 @@ from .stats import StepStats, format_summary
 __all__ = ["LMS"]
 
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
+_said_native = False
+
+
+def _say_native_once() -> None:
+    global _said_native
+    if not _said_native and not arena.NATIVE:
+        warnings.warn(f"lmsrt: the native allocator is not in use ({arena.native_error}); the "
+                      "pure-Python one gives the same results with slower bookkeeping. Reinstall "
+                      "with a C++ compiler present to build it.", RuntimeWarning, stacklevel=3)
+    _said_native = True
 
 
 @atexit.register
@@ -76,6 +86,7 @@ class LMS:
                               "run on a GPU machine, or pass device='sim' to test on the CPU.",
                               RuntimeWarning, stacklevel=2)
         elif config.enabled:
+            _say_native_once()
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
 

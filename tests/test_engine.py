@@ -251,3 +251,43 @@ def test_no_gpu_is_a_noop_with_warning(monkeypatch):
     with lms:
         y = (torch.randn(10, requires_grad=True) * 2).exp()
     y.sum().backward()
+
+
+def test_one_with_block_around_a_loop_finds_the_steps():
+    """`with lms:` around the whole loop (as `lmsrt run` does): each forward after a backward is a
+    new step, so the plan engages and nothing piles up."""
+    model = _saved_sequence_model()
+    x = torch.randn(256, 128)
+    act = 256 * 128 * 4
+    lms = make_lms("sim", capacity=8 * act, lms_frac=0.5)
+    ref = train_step(model, x)
+    with lms:
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            out.float().square().mean().backward()
+            assert all(torch.equal(a, p.grad) for a, p in zip(ref[1], model.parameters()))
+    history = lms.stats()["history"]
+    assert [s["mode"] for s in history] == ["reactive", "plan", "plan"]
+    assert len(lms._engine._order) <= 8
+
+
+def test_checkpoint_recompute_is_not_a_step_boundary():
+    from torch.utils.checkpoint import checkpoint
+    model = _saved_sequence_model()
+    x = torch.randn(64, 128)
+    lms = make_lms("sim")
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            out = checkpoint(model[:4], x, use_reentrant=False)
+            out = model[4:](out)
+        out.square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    import contextlib
+    ref = run(contextlib.nullcontext())
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(lms)))
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(lms)))
+    assert len(lms.stats()["history"]) == 1        # two steps: one finished, one in flight
