@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WORKLOADS", "build"]
+__all__ = ["WORKLOADS", "Workload", "build"]
 
 
 class GPTBlock(nn.Module):
@@ -64,17 +64,25 @@ WORKLOADS = {
 }
 
 
-def build(name: str):
-    """(model, input, step) for a workload; ``step(ctx)`` runs forward inside ``ctx`` and backward."""
-    model, x, autocast = WORKLOADS[name]()
+class Workload:
+    """A model, its input, and one training step: forward inside ``ctx``, then backward."""
 
-    def step(ctx):
+    def __init__(self, name: str):
+        self.name = name
+        self.model, self.x, self.autocast = WORKLOADS[name]()
+
+    def forward(self):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            return self.model(self.x).float().square().mean()
+
+    def step(self, ctx):
         with ctx:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(x).float().square().mean()
+            loss = self.forward()
         loss.backward()
-        for p in model.parameters():
+        for p in self.model.parameters():
             p.grad = None
         return loss
 
-    return model, x, step
+
+def build(name: str) -> Workload:
+    return Workload(name)

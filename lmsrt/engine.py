@@ -162,6 +162,7 @@ class SwapEngine:
         with self._lock:
             self._release_finished()
             self._forward_end_use = self.device.memory_allocated() - self._held_bytes
+            self.step.forward_end_bytes = self._forward_end_use
             self._by_ptr.clear()
             self._cursor = len(self._order) - 1
 

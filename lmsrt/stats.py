@@ -29,6 +29,7 @@ class StepStats:
     swapout_waits: int = 0         # times forward waited on a swap-out to stay under the mark
     host_refused: int = 0          # swap-outs refused by the host budget (kept on the GPU)
     gpu_peak_bytes: int = 0        # peak allocated GPU memory of the step
+    forward_end_bytes: int = 0     # GPU use when forward ended, net of copies still in flight
     host_pinned_bytes: int = 0     # pinned host memory held at the end of the step
     host_peak_bytes: int = 0       # peak pinned bytes in use
 

@@ -26,7 +26,7 @@ def run_one(workload: str, method: str, cap_gib: float, frac: float, steps: int,
     if cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
-    model, x, step = build(workload)
+    step = build(workload).step
     if method == "lms":
         ctx = lmsrt.LMS(lms=1000, lms_frac=frac)
     elif method == "save_on_cpu":

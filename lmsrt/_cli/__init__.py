@@ -4,7 +4,12 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import info, profile, run
+from . import info, run
+try:
+    from . import profile  # TEMP-GUARD
+except ImportError:
+    profile = None
+
 
 __all__ = ["main"]
 
@@ -16,4 +21,4 @@ def main() -> None:
 
 
 for _module in (run, info, profile):
-    main.add_command(_module.command)
+    if _module is not None: main.add_command(_module.command)

@@ -1,0 +1,258 @@
+"""Step time at a GPU memory cap: no offload, save_on_cpu, and lmsrt, against the transfer floor.
+
+    python benchmarks/offload.py                                  # gpt, seg, gptbig at 8,12,16 GiB
+    python benchmarks/offload.py --workloads gpt --caps 12,16 --out results/
+
+For each workload it first measures, uncapped and without offload, the step time, the forward and
+backward times and the peak, and the pinned D2H/H2D bandwidth. Then, for each cap (set with
+torch.cuda.set_per_process_memory_fraction, so a big GPU stands in for a small one), each method
+runs in its own process, all with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: no offload (expect OOM), save_on_cpu(pin_memory=True), and lmsrt at the
+highest lms_frac of a descending grid that fits (OOM is monotone in lms_frac).
+
+The floor: X = uncapped peak - cap bytes must leave the GPU in forward and come back in backward,
+so no swap-only method beats max(t_fwd, X/BW_d2h) + max(t_bwd, X/BW_h2d). Efficiency is
+floor / step. Writes offload.json and offload.png (step time against cap, floor dashed) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+GiB = 2**30
+FRAC_GRID = (0.95, 0.93, 0.91, 0.89, 0.87, 0.85, 0.8, 0.7, 0.5, 0.0)
+
+
+# -- child: one method at one cap, in its own process -------------------------------------------
+
+def _bandwidth() -> dict:
+    import torch
+    n = 256 << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        for _ in range(2):
+            dst.copy_(src, non_blocking=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(8):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        out[name] = 8 * n / (start.elapsed_time(end) / 1e3)
+    return out
+
+
+def _phases(work, steps: int) -> tuple:
+    """Median forward and backward times of the workload, without offload."""
+    import torch
+    fwd, bwd = [], []
+    for i in range(steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = work.forward()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        for p in work.model.parameters():
+            p.grad = None
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, warmup: int) -> dict:
+    import torch
+    import lmsrt
+    from workloads import build
+
+    if cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_gib * GiB / total)
+    work = build(workload)
+    lms = None
+    if method == "lmsrt":
+        ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac)
+    elif method == "save_on_cpu":
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    else:
+        ctx = contextlib.nullcontext()
+    times, peaks = [], []
+    try:
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            work.step(ctx)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            peaks.append(torch.cuda.max_memory_allocated())
+    except torch.OutOfMemoryError:
+        return {"outcome": "OOM", "oom_step": len(times) + 1,
+                "allocated_gib": torch.cuda.memory_allocated() / GiB,
+                "reserved_gib": torch.cuda.memory_reserved() / GiB,
+                "history": lms.stats()["history"] if lms else []}
+    res = {"outcome": "ok", "step_s": statistics.median(times[warmup:]),
+           "peak_gib": max(peaks[warmup:]) / GiB, "first_steps_s": times[:warmup],
+           "moved_gib": None if method == "save_on_cpu" else 0.0}
+    if lms is not None:
+        last = lms.stats()["last_step"]
+        res.update(moved_gib=last["out_bytes"] / GiB, stats=last, summary=lms.summary())
+    if method == "reference":
+        res["t_fwd"], res["t_bwd"] = _phases(work, steps)
+        res["bandwidth"] = _bandwidth()
+    return res
+
+
+# -- parent: the sweep, the table, the plot ----------------------------------------------------
+
+def run_child(args, workload: str, method: str, cap: float, frac: float = 0.0) -> dict:
+    # Every method runs with expandable segments: less fragmentation, so a cap means the same
+    # thing for all of them (and it is what README recommends to lmsrt users).
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child",
+           f"{workload}:{method}:{cap}:{frac}", "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        res = {"outcome": "timeout"}
+    except (IndexError, json.JSONDecodeError):
+        res = {"outcome": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    res.update(workload=workload, method=method, cap_gib=cap, lms_frac=frac,
+               wall_s=round(time.time() - t0, 1))
+    shown = f"{res['step_s']:.3f} s" if res["outcome"] == "ok" else res["outcome"]
+    print(f"  {workload:7} {method:12} cap={cap or '-':>4} lms_frac={frac:<4} {shown}"
+          f"  ({res['wall_s']} s)", flush=True)
+    return res
+
+
+def floor_s(ref: dict, cap: float) -> float:
+    """The transfer floor at ``cap`` GiB, from the reference's phases and bandwidths."""
+    if not cap:
+        return ref["step_s"]
+    x = max(0.0, ref["peak_gib"] - cap) * GiB
+    bw = ref["bandwidth"]
+    return max(ref["t_fwd"], x / bw["d2h"]) + max(ref["t_bwd"], x / bw["h2d"])
+
+
+def table(rows: list, refs: dict) -> str:
+    head = (f"{'workload':8} {'cap':>4} {'method':12} {'frac':>5} {'step s':>7} {'vs ref':>7} "
+            f"{'peak GiB':>8} {'moved GiB':>9} {'floor s':>7} {'effic.':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ref = refs[r["workload"]]
+        fl = floor_s(ref, r["cap_gib"])
+        cells = ["", "", "", "", ""]
+        if r["outcome"] == "ok":
+            moved = r.get("moved_gib")
+            cells = [f"{r['step_s']:.3f}", f"{r['step_s'] / ref['step_s']:.2f}x",
+                     f"{r['peak_gib']:.2f}", "all" if moved is None else f"{moved:.2f}",
+                     f"{fl / r['step_s']:.2f}"]
+        else:
+            cells[0] = r["outcome"]
+        frac = r["lms_frac"] if r["method"] == "lmsrt" else "-"
+        lines.append(f"{r['workload']:8} {r['cap_gib'] or '-':>4} {r['method']:12} {frac:>5} "
+                     f"{cells[0]:>7} {cells[1]:>7} {cells[2]:>8} {cells[3]:>9} {fl:7.3f} "
+                     f"{cells[4]:>6}")
+    return "\n".join(lines)
+
+
+def plot(rows: list, refs: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    names = list(refs)
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        ref = refs[name]
+        caps = sorted({r["cap_gib"] for r in rows if r["workload"] == name and r["cap_gib"]})
+        for method, style in (("save_on_cpu", "s-"), ("lmsrt", "o-")):
+            pts = [(r["cap_gib"], r["step_s"]) for r in rows if r["workload"] == name
+                   and r["method"] == method and r["outcome"] == "ok" and r["cap_gib"]]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), style, label=method)
+        ax.plot(caps, [floor_s(ref, c) for c in caps], "k--", label="floor")
+        ax.axhline(ref["step_s"], color="gray", lw=0.8, label="no offload, uncapped")
+        ax.set_title(f"{name} (uncapped peak {ref['peak_gib']:.1f} GiB)")
+        ax.set_xlabel("GPU cap (GiB)")
+        ax.set_ylabel("step time (s)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="gpt,seg,gptbig")
+    ap.add_argument("--caps", default="8,12,16", help="GPU caps in GiB, comma-separated")
+    ap.add_argument("--fracs", default=",".join(map(str, FRAC_GRID)),
+                    help="lms_frac grid, tried from high to low until one fits")
+    ap.add_argument("--methods", default="none,save_on_cpu,lmsrt")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        workload, method, cap, frac = args.child.split(":")
+        print(json.dumps(child(workload, method, float(cap), float(frac), args.steps, args.warmup)))
+        return
+    os.makedirs(args.out, exist_ok=True)
+    caps = [float(c) for c in args.caps.split(",") if c]
+    fracs = sorted((float(f) for f in args.fracs.split(",") if f), reverse=True)
+    methods = args.methods.split(",")
+    rows, refs = [], {}
+    for name in args.workloads.split(","):
+        ref = run_child(args, name, "reference", 0)
+        if ref["outcome"] != "ok":
+            print(f"{name}: the uncapped reference failed ({ref['outcome']}); skipped")
+            continue
+        refs[name] = ref
+        rows.append(ref)
+        for cap in caps:
+            if "none" in methods:
+                rows.append(run_child(args, name, "none", cap))
+            if "save_on_cpu" in methods:
+                rows.append(run_child(args, name, "save_on_cpu", cap))
+            if "lmsrt" in methods:
+                tried = []
+                for frac in fracs:
+                    tried.append(run_child(args, name, "lmsrt", cap, frac))
+                    if tried[-1]["outcome"] == "ok":
+                        break
+                rows.append(tried[-1])
+                rows[-1]["attempts"] = tried[:-1]
+    text = table(rows, refs)
+    bw = {n: {k: round(v / 1e9, 1) for k, v in r["bandwidth"].items()} for n, r in refs.items()}
+    print(f"\npinned bandwidth GB/s: {bw}")
+    for n, r in refs.items():
+        print(f"{n}: uncapped step {r['step_s']:.3f} s (forward {r['t_fwd']:.3f}, backward "
+              f"{r['t_bwd']:.3f}), peak {r['peak_gib']:.2f} GiB")
+    print("\n" + text)
+    with open(os.path.join(args.out, "offload.json"), "w") as f:
+        json.dump({"rows": rows, "table": text}, f, indent=1, default=str)
+    plot(rows, refs, os.path.join(args.out, "offload.png"))
+    print(f"\nwrote {args.out}/offload.json and offload.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""CPU time per saved tensor spent in lmsrt's pack and unpack hooks.
+
+    python benchmarks/pack_overhead.py                 # on CUDA if there, else the simulated device
+    python benchmarks/pack_overhead.py --tensors 4096 --kb 64 --out benchmarks/results
+
+Three paths: a tensor too small to swap (returned as is), an eligible tensor kept on the GPU
+(lms_frac=1, mark at the whole GPU), and a swapped one (lms_frac=0: D2H at pack, H2D at unpack).
+Each saved tensor has its own storage; the hooks are called directly, as autograd would, so the
+figures are the hooks' own bookkeeping plus the copy launches, not kernel time. Prints a table and
+writes pack_overhead.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import lmsrt  # noqa: E402
+
+
+def measure(device, lms_kb: float, frac: float, n: int, numel: int, rounds: int) -> dict:
+    dev = torch.device("cuda") if device == "cuda" else torch.device("cpu")
+    lms = lmsrt.LMS(lms=lms_kb, lms_frac=frac, device=device)
+    engine = lms._engine
+    leaf = torch.randn(numel, device=dev, requires_grad=True)
+    tensors = [leaf * 1.0 for _ in range(n)]            # non-leaf, one storage each
+    pack, unpack = [], []
+    for _ in range(rounds + 1):                          # round 0 warms up (pins the slabs)
+        engine.begin_forward()
+        t0 = time.perf_counter()
+        refs = [engine.pack(t) for t in tensors]
+        t1 = time.perf_counter()
+        engine.end_forward()
+        t2 = time.perf_counter()
+        outs = [engine.unpack(r) for r in reversed(refs)]
+        t3 = time.perf_counter()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(reversed(outs), tensors[:3]))
+        del refs, outs
+        pack.append((t1 - t0) / n * 1e6)
+        unpack.append((t3 - t2) / n * 1e6)
+    step = lms.stats()["last_step"]
+    lms.close()
+    return {"pack_us": statistics.median(pack[1:]), "unpack_us": statistics.median(unpack[1:]),
+            "swapped": step["out_tensors"], "kept": step["kept_tensors"],
+            "skipped": step["skipped_tensors"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tensors", type=int, default=2048)
+    ap.add_argument("--kb", type=float, default=64, help="size of each saved tensor")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "sim")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--profile", action="store_true", help="also print where the swapped path spends")
+    args = ap.parse_args()
+    numel = int(args.kb * 1024 // 4)
+    cases = {"too small (kept as is)": (args.kb * 2, 0.0), "eligible, kept": (1, 1.0),
+             "swapped": (1, 0.0)}
+    rows = {name: measure(args.device, kb, frac, args.tensors, numel, args.rounds)
+            for name, (kb, frac) in cases.items()}
+    print(f"pack/unpack CPU time per saved tensor: {args.tensors} tensors of {args.kb:g} KB on "
+          f"{args.device}, median of {args.rounds} rounds")
+    print(f"{'path':24} {'pack us':>8} {'unpack us':>10} {'total us':>9}  swapped/kept/skipped")
+    for name, r in rows.items():
+        print(f"{name:24} {r['pack_us']:8.1f} {r['unpack_us']:10.1f} "
+              f"{r['pack_us'] + r['unpack_us']:9.1f}  {r['swapped']}/{r['kept']}/{r['skipped']}")
+    if args.profile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.runcall(measure, args.device, 1, 0.0, args.tensors, numel, 2)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "pack_overhead.json"), "w") as f:
+        json.dump({"device": args.device, "tensors": args.tensors, "kb": args.kb, "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""What ``lmsrt run`` does inside each process it runs a script in.
+
+LMS is enabled on the main thread before the script starts and stays active until it ends (the
+engine finds the step boundaries itself); the GPU cap is applied first, since LMS reads the memory
+it may use when it is created; at exit the stats go to a JSON file and the summary to stderr.
+
+``lmsrt run`` calls ``start()`` in its own process for a single-process run. For a torchrun run,
+each worker calls ``start()`` from the bootstrap ``sitecustomize`` that the launcher puts first on
+the workers' PYTHONPATH (``lmsrt/_cli/_bootstrap``), with everything passed in the environment:
+
+    LMSRT_LMS, LMSRT_LMS_FRAC, ...   the LMS settings (``lmsrt.config.ENV_VARS``)
+    LMSRT_STATS                      JSON stats file; rank r > 0 writes ``FILE.rank{r}``
+    LMSRT_GPU_LIMIT_GB               the most GPU memory each process may allocate, GiB
+    LMSRT_ACTIVE=1                   set by ``start()``: a script that enables LMS itself reads it
+                                     and does not enable it a second time (see examples/)
+    LMSRT_BOOTSTRAP, LMSRT_LAUNCHER_PID   tell the bootstrap which processes are workers
+
+Example (what the bootstrap does)::
+
+    session = lmsrt._launch.start()      # reads the variables above
+    atexit.register(session.finish)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Dict, List, Mapping, Optional
+
+__all__ = ["ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID",
+           "Session", "StepClock", "check_gpu_limit", "start", "stats_path_for_rank"]
+
+ENV_ACTIVE = "LMSRT_ACTIVE"
+ENV_STATS = "LMSRT_STATS"
+ENV_GPU_LIMIT = "LMSRT_GPU_LIMIT_GB"
+ENV_BOOTSTRAP = "LMSRT_BOOTSTRAP"
+ENV_LAUNCHER_PID = "LMSRT_LAUNCHER_PID"
+
+# Steps left out of the median step time: the first ones pin host slabs, autotune kernels and
+# record the plan, and are slower than every step after.
+WARMUP_STEPS = 2
+
+
+class StepClock:
+    """Wall-clock time at the start of every step after the first.
+
+    The engine finds step boundaries itself (a forward that follows a backward starts a new step,
+    in ``SwapEngine.pack``) and offers no callback, so the clock wraps ``begin_forward`` on this
+    one engine instance; the engine module is not changed. Times are host-side: without a device
+    sync they equal GPU step times only in the steady state, where the host cannot run further
+    ahead of the GPU, hence the median after warm-up.
+    """
+
+    def __init__(self, engine) -> None:
+        self.starts: List[float] = []
+        begin_forward = engine.begin_forward
+
+        def timed_begin_forward() -> None:
+            self.starts.append(time.perf_counter())
+            begin_forward()
+
+        engine.begin_forward = timed_begin_forward
+
+    def step_times(self) -> List[float]:
+        """Seconds between successive step starts (one fewer than the steps started)."""
+        return [b - a for a, b in zip(self.starts, self.starts[1:])]
+
+    def median(self, warmup: int = WARMUP_STEPS) -> Optional[float]:
+        """Median step time without the first ``warmup`` times (all of them if that is all)."""
+        times = self.step_times()
+        kept = times[warmup:] or times
+        return statistics.median(kept) if kept else None
+
+
+def stats_path_for_rank(path: str, rank: int) -> str:
+    """Rank 0 writes ``path`` itself, rank r writes ``path.rank{r}``."""
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+class Session:
+    """One LMS kept active on the main thread for a whole script, and what it writes at the end.
+
+    Example::
+
+        session = Session(lmsrt.LMS.from_env(), stats_path="stats.json")
+        session.start()
+        try:
+            runpy.run_path("train.py", run_name="__main__")
+        finally:
+            session.finish()
+    """
+
+    def __init__(self, lms, stats_path: Optional[str] = None, rank: int = 0, world_size: int = 1):
+        self.lms = lms
+        self.stats_path = stats_path
+        self.rank = rank
+        self.world_size = world_size
+        self.clock: Optional[StepClock] = None
+        self._finished = False
+
+    def start(self) -> "Session":
+        self.lms.__enter__()
+        if self.lms._engine is not None:
+            # After __enter__, so the first time taken is the start of step 2: step 1 also holds
+            # the script's set-up, which is no step time.
+            self.clock = StepClock(self.lms._engine)
+        os.environ[ENV_ACTIVE] = "1"
+        return self
+
+    def stats(self) -> Dict[str, object]:
+        """``LMS.stats()`` plus the measured step times and this process's rank."""
+        data = self.lms.stats()
+        times = self.clock.step_times() if self.clock else []
+        data["step_times_s"] = times
+        data["step_time_median_s"] = self.clock.median() if self.clock else None
+        data["step_time_warmup"] = min(WARMUP_STEPS, max(len(times) - 1, 0))
+        data["rank"] = self.rank
+        data["world_size"] = self.world_size
+        return data
+
+    def finish(self) -> None:
+        """Turn LMS off, write the stats file, print the summary (rank 0), free pinned memory.
+
+        Runs once, whether the script returned, raised, or called ``sys.exit``.
+        """
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self.lms.__exit__(None, None, None)
+        except Exception as e:   # the script left other saved-tensor hooks on the stack
+            print(f"lmsrt: could not remove the LMS hooks cleanly ({e})", file=sys.stderr)
+        try:
+            if self.stats_path:
+                _write_json(stats_path_for_rank(self.stats_path, self.rank), self.stats())
+            if self.rank == 0:
+                sys.stdout.flush()
+                print(self.lms.summary(), file=sys.stderr, flush=True)
+        finally:
+            self.lms.close()
+
+
+def _write_json(path: str, data: Mapping[str, object]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)   # a reader never sees half a file
+
+
+def _cuda_index(device: Optional[str]) -> Optional[int]:
+    """The CUDA device index a device spec names; None for the current device or no CUDA."""
+    if device and device.startswith("cuda:"):
+        return int(device.split(":", 1)[1])
+    return None
+
+
+def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[float]:
+    """The per-process memory fraction for a cap of ``limit_gb`` GiB on one GPU.
+
+    Returns None (after a warning) when there is no CUDA GPU; raises ValueError when the cap is
+    not positive or exceeds the GPU.
+    """
+    if not (math.isfinite(limit_gb) and limit_gb > 0):
+        raise ValueError(f"{limit_gb!r} GiB is not a GPU memory cap; give a positive number of "
+                         "GiB, e.g. --gpu-limit 12")
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.warn(f"lmsrt: no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    index = torch.cuda.current_device() if index is None else index
+    total = torch.cuda.get_device_properties(index).total_memory
+    if limit_gb * 2**30 > total:
+        raise ValueError(f"{limit_gb:g} GiB is more than GPU {index} has ({total / 2**30:.2f} "
+                         f"GiB); give at most {total / 2**30:.2f}, or leave --gpu-limit out")
+    return limit_gb * 2**30 / total
+
+
+def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optional[dict] = None,
+          stats_path: Optional[str] = None, gpu_limit_gb: Optional[float] = None) -> Session:
+    """Cap the GPU, enable LMS on this thread for good, and return the session to ``finish()``.
+
+    Arguments left None come from ``environ`` (``LMSRT_STATS``, ``LMSRT_GPU_LIMIT_GB``, and the
+    LMS settings through ``LMS.from_env``). The device is ``LMSRT_DEVICE`` if set, else
+    ``cuda:LOCAL_RANK`` under torchrun, else the current CUDA device.
+
+    Example::
+
+        session = start(lms_overrides={"lms": 1000, "lms_frac": 0.5}, stats_path="s.json")
+    """
+    import torch
+
+    from .lms import LMS
+
+    environ = os.environ if environ is None else environ
+    overrides = dict(lms_overrides or {})
+    local_rank = environ.get("LOCAL_RANK")
+    if "device" not in overrides and not environ.get("LMSRT_DEVICE") and local_rank is not None:
+        overrides["device"] = f"cuda:{int(local_rank)}"
+    device = overrides.get("device") or environ.get("LMSRT_DEVICE")
+    if gpu_limit_gb is None and environ.get(ENV_GPU_LIMIT):
+        try:
+            gpu_limit_gb = float(environ[ENV_GPU_LIMIT])
+        except ValueError:
+            raise ValueError(f"{ENV_GPU_LIMIT}={environ[ENV_GPU_LIMIT]!r} is not a number of "
+                             f"GiB; set it to e.g. {ENV_GPU_LIMIT}=12") from None
+    if gpu_limit_gb is not None and device != "sim":
+        index = _cuda_index(device)
+        fraction = check_gpu_limit(gpu_limit_gb, index)
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction, index)
+    lms = LMS.from_env(**overrides)
+    session = Session(lms, stats_path=stats_path or environ.get(ENV_STATS) or None,
+                      rank=int(environ.get("RANK", 0) or 0),
+                      world_size=int(environ.get("WORLD_SIZE", 1) or 1))
+    return session.start()
