@@ -137,7 +137,7 @@ class Session:
         try:
             if self.stats_path:
                 _write_json(stats_path_for_rank(self.stats_path, self.rank), self.stats())
-            if self.rank == 0:
+            if self.rank == 0 and self.lms.enabled:
                 sys.stdout.flush()
                 print(self.lms.summary(), file=sys.stderr, flush=True)
         finally:

@@ -42,6 +42,13 @@ from .stats import RunStats, StepStats
 
 __all__ = ["SwapEngine"]
 
+# An exact GPU-use reading costs ~10-20 us (the allocator builds a stats dict). Between readings
+# the engine estimates: the last reading plus what lmsrt itself added since (saved storages,
+# restored copies), never minus what it dropped (another reference may keep a dropped block
+# alive), so the estimate errs high on lmsrt's part. It reads again after this many estimates, or
+# as soon as the estimate comes within 1/16 of the mark, where decisions change.
+_EXACT_EVERY = 8
+
 
 class _Storage:
     """One saved storage that is swapped out; its views come back as views of one restored copy."""
@@ -117,6 +124,8 @@ class SwapEngine:
         self.window = config.prefetch_bytes
         self.d2h = device.new_stream()
         self.h2d = device.new_stream()
+        self._on_d2h = device.stream(self.d2h)
+        self._on_h2d = device.stream(self.h2d)
         self.compute = device.current_stream()
         self.host = HostPool(device, config.host_budget_bytes)
         self.plan = OffloadPlan()
@@ -137,6 +146,9 @@ class SwapEngine:
         self._forward_end_use = 0      # GPU use when forward ended, net of copies in flight
         self._timed_waits: list = []
         self._backward_seen = False    # an unpack happened since this step's forward began
+        self._use_read = 0             # GPU use at the last exact reading
+        self._use_delta = 0            # bytes lmsrt added (+) or released (-) since that reading
+        self._use_age = _EXACT_EVERY   # estimates given since that reading
         self.closed = False
 
     # -- step boundaries ---------------------------------------------------------------------
@@ -232,11 +244,12 @@ class SwapEngine:
         self._index += 1
         self.device.note_saved(storage)
         ref = weakref.ref(storage)
+        self._use_delta += nbytes
         self._release_finished()
         planned = self.plan.offload(index, nbytes)
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
         # stay over the mark once they are (else copies that lag forward would look like demand).
-        used = None if planned else self.device.memory_allocated()
+        used = None if planned else self._gpu_use()
         entry = None
         if planned or used - self._held_bytes > self.mark:
             entry = self._swap_out(storage, nbytes, ref, version)
@@ -248,8 +261,19 @@ class SwapEngine:
             self.step.kept_tensors += 1
         self._by_ptr[storage.data_ptr()] = entry
         if self._held:
-            self._bound_held(self.device.memory_allocated() if used is None else used)
+            self._bound_held(self._gpu_use() if used is None else used)
         return entry
+
+    def _gpu_use(self) -> int:
+        """GPU use, exact near the mark, estimated well under it (see _EXACT_EVERY). At a mark of
+        0 any use is over it, so no reading is needed."""
+        estimate = self._use_read + self._use_delta
+        if self.mark == 0 or (self._use_age < _EXACT_EVERY
+                              and estimate < self.mark - (self.mark >> 4)):
+            self._use_age += 1
+            return estimate
+        self._use_read, self._use_delta, self._use_age = self.device.memory_allocated(), 0, 0
+        return self._use_read
 
     def _swap_out(self, storage, nbytes: int, ref, version: int) -> Optional[_Storage]:
         slot = self.host.alloc(nbytes)
@@ -261,7 +285,7 @@ class SwapEngine:
         ready = self.device.new_event()
         ready.record(self.compute)
         self.d2h.wait_event(ready)                         # Rule 1
-        with self.device.stream(self.d2h):
+        with self._on_d2h:
             slot.tensor.copy_(s.source, non_blocking=True)
             s.copy_done = self.device.new_event()
             s.copy_done.record(self.d2h)
@@ -312,10 +336,9 @@ class SwapEngine:
             if s.unpacked >= s.handles and s.source is None:
                 # Every view has been handed out: autograd's references keep the block alive for
                 # as long as it is read; ours would keep it for the rest of backward.
-                s.gpu = None
+                self._drop_restored(s)
                 s.unpacked = 0
                 s.consumed = True
-                self._ahead -= s.nbytes
             self._advance()
         return torch.empty(0, dtype=ref.dtype, device=data.device).set_(
             data.untyped_storage(), ref.offset, ref.size, ref.stride)
@@ -350,15 +373,20 @@ class SwapEngine:
         ready = self.device.new_event()
         ready.record(self.compute)
         self.h2d.wait_event(ready)
-        with self.device.stream(self.h2d):
+        with self._on_h2d:
             s.gpu.copy_(s.host.tensor, non_blocking=True)
             s.fetch_done = self.device.new_event()
             s.fetch_done.record(self.h2d)
         s.fetch_waited = False
         s.unpacked = 0
         self._ahead += s.nbytes
+        self._use_delta += s.nbytes
         self.step.in_bytes += s.nbytes
         self.step.in_tensors += 1
+
+    def _drop_restored(self, s: _Storage) -> None:
+        s.gpu = None
+        self._ahead -= s.nbytes
 
     def _new_pass(self, s: _Storage) -> None:
         """A storage already used in this pass is needed again: backward runs once more over a
@@ -371,23 +399,21 @@ class SwapEngine:
         """Backward moved on: fetch the swapped storages it needs next, in reverse save
         order, while the restored-but-unused bytes stay within ``window`` and GPU use stays under
         the mark. Backward uses saved data faster than H2D brings it back (~145 vs ~55 GB/s on a
-        GPT stack), so fetching starts as soon as memory allows, not when the data is near. One
-        storage is always fetched ahead, so that a copy overlaps compute even at ``lms_frac=0``.
+        GPT stack), so fetching starts as soon as memory allows, not when the data is near. At
+        ``lms_frac=0`` (a mark of 0) one storage is still fetched ahead, so that a copy overlaps
+        compute; above 0 the mark holds strictly, since in plan mode the next swapped storage is
+        needed only late in backward and fetching it early would land on the peak.
         Backward does not walk the save order strictly downwards (inside a block it jumps about),
         so the walk is by a cursor that skips what is resident or already used."""
         order = self._order
-        used = None
         while self._cursor >= 0:
             s = order[self._cursor]
             if s.dead or s.consumed or s.gpu is not None or s.source is not None:
                 self._cursor -= 1
                 continue
-            if self._ahead:
-                if used is None:
-                    used = self.device.memory_allocated()
-                if self._ahead + s.nbytes > self.window or used + s.nbytes > self.mark:
-                    break
-                used += s.nbytes
+            if (self._ahead or self.mark) and (self._ahead + s.nbytes > self.window
+                                               or self._gpu_use() + s.nbytes > self.mark):
+                break
             self._fetch(s)
             self._cursor -= 1
 
@@ -402,8 +428,7 @@ class SwapEngine:
             if s.gpu is not None:
                 if not s.fetch_waited:
                     self.compute.wait_event(s.fetch_done)   # Rule 4
-                s.gpu = None
-                self._ahead -= s.nbytes
+                self._drop_restored(s)
             if s.source is not None:
                 self.compute.wait_event(s.copy_done)        # Rule 2
                 self._drop_source(s)

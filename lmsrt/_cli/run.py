@@ -52,7 +52,7 @@ class _Number(click.ParamType):
 
 
 # The torchrun options accepted before the script: (name, click type, help); type None is a flag.
-# Each also has its underscore spelling, as torchrun does.
+# Their underscore spellings (--nproc_per_node) work too: the context normalizes "_" to "-".
 _TORCHRUN_OPTIONS = (
     ("nproc-per-node", str, "Worker processes per node: a number, or gpu, cpu, auto."),
     ("nnodes", str, "Number of nodes, or MIN:MAX."),
@@ -76,12 +76,11 @@ _TORCHRUN_OPTIONS = (
 
 def _torchrun_options(f):
     for name, kind, help_text in reversed(_TORCHRUN_OPTIONS):
-        names = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
         dest = "torchrun_" + name.replace("-", "_")
         if kind is None:
-            f = click.option(*names, dest, is_flag=True, help=f"[torchrun] {help_text}")(f)
+            f = click.option(f"--{name}", dest, is_flag=True, help=f"[torchrun] {help_text}")(f)
         else:
-            f = click.option(*names, dest, type=kind, default=None, metavar="N" if kind in (int, float) else "VALUE",
+            f = click.option(f"--{name}", dest, type=kind, default=None, metavar="N" if kind in (int, float) else "VALUE",
                              help=f"[torchrun] {help_text}")(f)
     return f
 
@@ -98,7 +97,8 @@ class _RunCommand(click.Command):
 
 
 @click.command("run", cls=_RunCommand, context_settings=dict(
-    ignore_unknown_options=False, allow_interspersed_args=False))
+    ignore_unknown_options=False, allow_interspersed_args=False,
+    token_normalize_func=lambda name: name.replace("_", "-")))
 @click.option("--lms", type=_Number(example="give the size threshold in KB, e.g. --lms 1000 "
                                     "(0 turns swapping off)"),
               metavar="KB", help="Saved tensors smaller than this stay on the GPU [LMSRT_LMS].")

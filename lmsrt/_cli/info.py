@@ -1,0 +1,185 @@
+"""``lmsrt info``: what lmsrt finds on this machine, and what is missing.
+
+Versions (lmsrt, torch, CUDA runtime, NVIDIA driver), the GPUs and their free memory, host memory
+and the pinned budget lmsrt would use per local rank, whether the native allocator is in use, the
+``LMSRT_*`` settings in the environment, and with ``--bandwidth`` the pinned copy speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from typing import Dict, List, Optional
+
+import click
+
+__all__ = ["command", "collect"]
+
+GiB = float(2**30)
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml   # from nvidia-ml-py; imported here, as it is needed only here
+    except ImportError as e:
+        return f"unavailable (pynvml: {e}; pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:   # NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
+        return f"unavailable ({e})"
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _no_gpu_reason(torch) -> str:
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch to "
+                "swap on a GPU (LMSRT_DEVICE=sim runs lmsrt on a simulated one for tests)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return (f"torch sees no CUDA device{hint}; check nvidia-smi and the NVIDIA driver, or "
+            "CUDA_VISIBLE_DEVICES")
+
+
+def _gpus(torch) -> List[Dict[str, object]]:
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append({"index": i, "name": props.name, "capability": f"sm_{props.major}{props.minor}",
+                     "total_bytes": total, "free_bytes": free})
+    return gpus
+
+
+def _host() -> Dict[str, object]:
+    import psutil
+
+    from ..host import cgroup_available, host_budget
+
+    vm = psutil.virtual_memory()
+    fixed = os.environ.get("LMSRT_HOST_BUDGET_GB")
+    return {"total_bytes": vm.total, "available_bytes": vm.available,
+            "cgroup_available_bytes": cgroup_available(),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+            "pinned_budget_bytes": host_budget(),
+            "pinned_budget_fixed_gb": float(fixed) if fixed else None}
+
+
+def _bandwidth(torch, nbytes: int = 256 << 20, reps: int = 5) -> Dict[str, float]:
+    """Pinned host <-> GPU copy speed in GB/s, the median of ``reps`` timed copies each way."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    result = {"bytes": nbytes, "reps": reps}
+    for name, dst, src in (("h2d_gbps", gpu, host), ("d2h_gbps", host, gpu)):
+        dst.copy_(src, non_blocking=True)   # warm-up: first-use costs are no bandwidth
+        seconds = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        result[name] = nbytes / statistics.median(seconds) / 1e9
+    return result
+
+
+def collect(bandwidth: bool = False) -> Dict[str, object]:
+    """Everything ``lmsrt info`` shows, as a dict (what ``--json`` prints).
+
+    Example::
+
+        from lmsrt._cli.info import collect
+        print(collect()["allocator"])
+    """
+    import torch
+
+    from .. import __version__, arena
+    from ..config import ENV_VARS
+
+    cuda = torch.cuda.is_available()
+    data: Dict[str, object] = {
+        "lmsrt": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nvidia_driver": _driver_version(),
+        "gpus": _gpus(torch) if cuda else [],
+        "no_gpu_reason": None if cuda else _no_gpu_reason(torch),
+        "host": _host(),
+        "native_allocator": arena.NATIVE,
+        "allocator": arena.native_status(),
+        "settings": {k: v for k, v in os.environ.items()
+                     if k in ENV_VARS or k in ("LMSRT_GPU_LIMIT_GB", "LMSRT_STATS")},
+        "bandwidth": None,
+    }
+    if bandwidth:
+        data["bandwidth"] = _bandwidth(torch) if cuda else {"skipped": "no CUDA GPU"}
+    return data
+
+
+def _gib(n: Optional[float]) -> str:
+    return "none" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def format_info(data: Dict[str, object]) -> str:
+    """The text ``lmsrt info`` prints."""
+    row = "  {:<20}{}".format
+    lines = [f"lmsrt {data['lmsrt']}",
+             row("python", data["python"]),
+             row("torch", data["torch"]),
+             row("CUDA runtime", data["cuda_runtime"] or "none (CPU-only build of torch)"),
+             row("NVIDIA driver", data["nvidia_driver"]),
+             row("allocator", data["allocator"]),
+             "GPUs"]
+    if not data["gpus"]:
+        lines.append(row("none", data["no_gpu_reason"]))
+    for g in data["gpus"]:
+        lines.append(row(f"[{g['index']}] {g['capability']}", f"{g['name']}: {_gib(g['total_bytes'])} "
+                         f"total, {_gib(g['free_bytes'])} free"))
+    host = data["host"]
+    cgroup = host["cgroup_available_bytes"]
+    budget = (f"{host['pinned_budget_fixed_gb']:g} GiB (LMSRT_HOST_BUDGET_GB)"
+              if host["pinned_budget_fixed_gb"] is not None else
+              f"{_gib(host['pinned_budget_bytes'])} per local rank (80% of what is available"
+              f"{' under the cgroup limit' if cgroup is not None else ''}, shared by "
+              f"LOCAL_WORLD_SIZE={host['local_world_size']} ranks)")
+    lines += ["host memory",
+              row("total", _gib(host["total_bytes"])),
+              row("available", _gib(host["available_bytes"])),
+              row("cgroup limit", "none" if cgroup is None else f"{_gib(cgroup)} left under it"),
+              row("pinned budget", budget),
+              "settings"]
+    settings = data["settings"]
+    lines += [row(k, v) for k, v in sorted(settings.items())] or [row("LMSRT_*", "none set")]
+    bw = data["bandwidth"]
+    if bw is not None:
+        lines.append("bandwidth")
+        if "skipped" in bw:
+            lines.append(row("pinned copies", f"skipped: {bw['skipped']}"))
+        else:
+            lines.append(row("pinned copies", f"H2D {bw['h2d_gbps']:.1f} GB/s, D2H "
+                             f"{bw['d2h_gbps']:.1f} GB/s ({bw['bytes'] >> 20} MiB, median of "
+                             f"{bw['reps']})"))
+    return "\n".join(lines)
+
+
+@click.command("info")
+@click.option("--bandwidth", is_flag=True, help="Also measure pinned H2D/D2H copy speed (256 MiB).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def command(bandwidth: bool, as_json: bool) -> None:
+    """Show versions, GPUs, host memory and pinned budget, and the allocator lmsrt uses.
+
+    \b
+    Examples:
+      lmsrt info
+      lmsrt info --bandwidth
+      lmsrt info --json > info.json
+    """
+    data = collect(bandwidth)
+    click.echo(json.dumps(data, indent=1) if as_json else format_info(data))
