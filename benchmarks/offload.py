@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -97,8 +98,9 @@ def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, w
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             peaks.append(torch.cuda.max_memory_allocated())
-    except torch.OutOfMemoryError:
-        return {"outcome": "OOM", "oom_step": len(times) + 1,
+    except torch.OutOfMemoryError as e:
+        phase = "backward" if "backward" in "".join(traceback.format_tb(e.__traceback__)) else "forward"
+        return {"outcome": "OOM", "oom_step": len(times) + 1, "oom_phase": phase,
                 "allocated_gib": torch.cuda.memory_allocated() / GiB,
                 "reserved_gib": torch.cuda.memory_reserved() / GiB,
                 "history": lms.stats()["history"] if lms else []}
@@ -207,7 +209,7 @@ def main() -> None:
                     help="lms_frac grid, tried from high to low until one fits")
     ap.add_argument("--methods", default="none,save_on_cpu,lmsrt")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=6, help="steps before timing (the plan settles)")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--child", help=argparse.SUPPRESS)

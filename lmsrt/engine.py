@@ -251,7 +251,7 @@ class SwapEngine:
         # stay over the mark once they are (else copies that lag forward would look like demand).
         used = None if planned else self._gpu_use()
         entry = None
-        if planned or used - self._held_bytes > self.mark:
+        if planned or used - self._held_bytes > self._swap_mark():
             entry = self._swap_out(storage, nbytes, ref, version)
             if entry is not None and not planned:
                 self._beyond_plan += nbytes
@@ -263,6 +263,13 @@ class SwapEngine:
         if self._held:
             self._bound_held(self._gpu_use() if used is None else used)
         return entry
+
+    def _swap_mark(self) -> int:
+        """Use above which an unplanned storage is swapped. A reactive step swaps the latest
+        storages, which its backward needs first, on demand, right at the peak: it swaps from
+        1/8 under the mark to leave them room. The plan then starts from what it swapped and
+        gives back the room step by step (OffloadPlan.finish_step)."""
+        return self.mark if self.plan.mode == "plan" else self.mark - (self.mark >> 3)
 
     def _gpu_use(self) -> int:
         """GPU use, exact near the mark, estimated well under it (see _EXACT_EVERY). At a mark of

@@ -1,7 +1,7 @@
 """Record a step's sequence of saved storages, and plan which of them later steps offload.
 
-Step 1 is reactive: storages are swapped once GPU use passes the mark, so the *latest* ones go
-out, which backward needs first. From the step after, if the sequence of saved storages repeats
+Step 1 is reactive: storages are swapped once GPU use passes the mark (less 1/8, to leave its
+backward room), so the *latest* ones go out, which backward needs first. From the step after, if the sequence of saved storages repeats
 (same sizes in the same order), the plan offloads the *earliest* ones instead: backward needs
 them last, so their copies have the whole rest of forward to go out and most of backward to come
 back. It offloads only ``target`` bytes, and the target follows the measured peak:
