@@ -103,11 +103,17 @@ class _SwapRef:
 
 
 def _eligible_storage(t: torch.Tensor, device, min_bytes: int):
-    """The storage to swap for saved tensor ``t``, or None if swapping it would free nothing."""
+    """The storage to swap for saved tensor ``t``, or None if swapping it would free nothing.
+
+    Parameters and other trainable leaves (and views of them) live for the whole run, so they stay.
+    Tensors without a grad_fn are not excluded as such: pooling indices and masks are saved that
+    way and can be the largest tensors of a step (a max-pool's int64 indices at full resolution).
+    """
     if type(t) is not torch.Tensor or not device.owns(t):
         return None                          # parameters, subclasses, other devices
-    if t.is_leaf or (t._base is not None and t._base.is_leaf):
-        return None                          # inputs, buffers, and views of them: held elsewhere
+    base = t if t._base is None else t._base
+    if base.requires_grad and base.is_leaf:
+        return None                          # trainable leaves and views of them
     if t.layout != torch.strided or t.is_conj() or t.is_neg():
         return None
     storage = t.untyped_storage()

@@ -86,19 +86,23 @@ def test_chunk_views_are_copied_once():
     assert step["out_bytes"] < 2 * h_bytes + 3 * 64 * 32 * 4 * 3
 
 
-def test_small_tensors_params_and_inputs_are_not_swapped():
+def test_small_tensors_and_params_are_not_swapped_but_indices_are():
     lms = make_lms("sim", lms=64)                  # 64 KB threshold
     lin = torch.nn.Linear(256, 256)
     weight = torch.nn.Parameter(torch.randn(128, 256))
-    x = torch.randn(128, 256)      # 128 KB input: held by the caller, swapping it frees nothing
+    x = torch.randn(8, 256)        # 8 KB input: under the threshold
+    img = torch.randn(4, 16, 64, 64, requires_grad=True)
     with lms:
-        h = lin(x).tanh()          # saves x (an input) and h (128 KB: swapped)
-        y = (weight * h).sum()     # saves weight (a parameter) and h again (same storage)
-        small = (torch.randn(8, 256, requires_grad=True) * 3).exp()   # 8 KB: under the threshold
-    (y + small.sum()).backward()
+        h = lin(x.repeat(16, 1)).tanh()   # h: 128 KB, swapped
+        y = (weight * h).sum()            # saves weight (a parameter) and h again (same storage)
+        pooled = torch.nn.functional.max_pool2d(img * 2, 2)   # saves its input and int64 indices
+    (y + pooled.sum()).backward()
     step = lms.stats()["last_step"]
-    assert step["out_tensors"] == 1 and step["out_bytes"] == 128 * 256 * 4
-    assert step["skipped_tensors"] == 3            # x, weight, the small exp output
+    # h, the repeated input lin saved (a temporary, no grad_fn), the pooling input (1 MB) and its
+    # int64 indices (512 KB, no grad_fn) go out; the weights do not.
+    assert step["out_tensors"] == 4
+    assert step["out_bytes"] == 2 * 128 * 256 * 4 + 4 * 16 * 64 * 64 * 4 + 4 * 16 * 32 * 32 * 8
+    assert step["skipped_tensors"] >= 2            # weight, lin.weight (each under/ineligible)
 
 
 def test_lms_zero_or_negative_disables():
