@@ -37,8 +37,8 @@ from torch import nn
 import lmsrt
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-parser.add_argument("--lms", type=float, default=None, help="LMS size threshold in KB (default: LMS off)")
-parser.add_argument("--lms-frac", type=float, default=0.75, help="GPU fraction used before swapping starts")
+parser.add_argument("--lms", type=float, default=None, help="LMS threshold in KB (default: off)")
+parser.add_argument("--lms-frac", type=float, default=0.75, help="GPU use before swapping starts")
 parser.add_argument("--batch-size", type=int, default=6)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--stages", type=int, default=5, help="encoder (and decoder) stages")
@@ -131,11 +131,12 @@ for step in range(args.steps):
         sys.exit(1)
     times.append(time.perf_counter() - t0)
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "n/a (CPU)"
-    print(f"step {step:3d} | loss {loss:.4f} | {times[-1] * 1000:8.1f} ms | peak {peak}", flush=True)
+    print(f"step {step:3d} | loss {loss:.4f} | {times[-1] * 1000:8.1f} ms | peak {peak}",
+          flush=True)
 
-steady = times[2:] or times
-print(f"median step {statistics.median(steady) * 1000:.1f} ms over steps {len(times) - len(steady)}.."
-      f"{len(times) - 1}")
+steady = times[2:] or times                    # the first steps autotune, allocate and pin
+print(f"median step {statistics.median(steady) * 1000:.1f} ms over steps "
+      f"{len(times) - len(steady)}..{len(times) - 1}")
 if cuda:
     print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (last step)")
 if lms is not None:

@@ -66,14 +66,13 @@ class StepClock:
         engine.begin_forward = timed_begin_forward
 
     def step_times(self) -> List[float]:
-        """Seconds between successive step starts (one fewer than the steps started)."""
+        """Seconds between successive step starts: ``[i]`` is step ``i + 2``."""
         return [b - a for a, b in zip(self.starts, self.starts[1:])]
 
-    def median(self, warmup: int = WARMUP_STEPS) -> Optional[float]:
-        """Median step time without the first ``warmup`` times (all of them if that is all)."""
+    def steady_times(self) -> List[float]:
+        """The step times after the first ``WARMUP_STEPS`` (all of them if there are no more)."""
         times = self.step_times()
-        kept = times[warmup:] or times
-        return statistics.median(kept) if kept else None
+        return times[WARMUP_STEPS:] or times
 
 
 def stats_path_for_rank(path: str, rank: int) -> str:
@@ -112,12 +111,14 @@ class Session:
         return self
 
     def stats(self) -> Dict[str, object]:
-        """``LMS.stats()`` plus the measured step times and this process's rank."""
+        """``LMS.stats()`` plus ``step_times_s`` (from step 2 on), ``step_time_median_s`` (without
+        the first ``step_time_warmup`` of them), ``rank`` and ``world_size``."""
         data = self.lms.stats()
         times = self.clock.step_times() if self.clock else []
+        steady = self.clock.steady_times() if self.clock else []
         data["step_times_s"] = times
-        data["step_time_median_s"] = self.clock.median() if self.clock else None
-        data["step_time_warmup"] = min(WARMUP_STEPS, max(len(times) - 1, 0))
+        data["step_time_median_s"] = statistics.median(steady) if steady else None
+        data["step_time_warmup"] = len(times) - len(steady)
         data["rank"] = self.rank
         data["world_size"] = self.world_size
         return data
@@ -136,7 +137,12 @@ class Session:
             print(f"lmsrt: could not remove the LMS hooks cleanly ({e})", file=sys.stderr)
         try:
             if self.stats_path:
-                _write_json(stats_path_for_rank(self.stats_path, self.rank), self.stats())
+                path = stats_path_for_rank(self.stats_path, self.rank)
+                try:
+                    _write_json(path, self.stats())
+                except OSError as e:   # the script's own exit status matters more
+                    print(f"lmsrt: could not write the stats to {path} ({e}); give --stats a "
+                          "writable path.", file=sys.stderr)
             if self.rank == 0 and self.lms.enabled:
                 sys.stdout.flush()
                 print(self.lms.summary(), file=sys.stderr, flush=True)
@@ -188,7 +194,7 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
 
     Arguments left None come from ``environ`` (``LMSRT_STATS``, ``LMSRT_GPU_LIMIT_GB``, and the
     LMS settings through ``LMS.from_env``). The device is ``LMSRT_DEVICE`` if set, else
-    ``cuda:LOCAL_RANK`` under torchrun, else the current CUDA device.
+    ``cuda:LOCAL_RANK`` under torchrun (made the current device), else the current CUDA device.
 
     Example::
 
@@ -201,8 +207,12 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
     environ = os.environ if environ is None else environ
     overrides = dict(lms_overrides or {})
     local_rank = environ.get("LOCAL_RANK")
-    if "device" not in overrides and not environ.get("LMSRT_DEVICE") and local_rank is not None:
+    if ("device" not in overrides and not environ.get("LMSRT_DEVICE") and local_rank is not None
+            and int(local_rank) < torch.cuda.device_count()):
         overrides["device"] = f"cuda:{int(local_rank)}"
+        # What the script will do anyway; done now, because pinning host memory before the script
+        # picks its device would create a CUDA context on GPU 0 in every rank.
+        torch.cuda.set_device(int(local_rank))
     device = overrides.get("device") or environ.get("LMSRT_DEVICE")
     if gpu_limit_gb is None and environ.get(ENV_GPU_LIMIT):
         try:

@@ -27,12 +27,14 @@ NOTE [ Where memory is attributed ]
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import weakref
 from typing import Dict, List, Optional, Set
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 from torch.utils._pytree import tree_leaves
 
 from .device import CudaDevice, SimulatedDevice
@@ -88,11 +90,12 @@ class Sample:
 
 
 class _Saved:
-    """What the graph holds instead of a saved tensor while recording: the tensor and its saver."""
+    """What the graph holds instead of a saved tensor: the tensor and the module that saved it
+    (None outside the recorded step, where only its unpack matters: a backward ran)."""
 
     __slots__ = ("tensor", "owner")
 
-    def __init__(self, tensor: torch.Tensor, owner: ModuleStats):
+    def __init__(self, tensor: torch.Tensor, owner: Optional[ModuleStats]):
         self.tensor = tensor
         self.owner = owner
 
@@ -177,7 +180,7 @@ class StepRecorder:
         self._stack: List[_Frame] = []
         self._inference: Optional[torch.nn.Module] = None
         self._closed = False               # a backward or an optimizer step ended the step
-        self._names: Dict[int, tuple] = {}
+        self._names: Dict[int, str] = {}
         self._tops: List[torch.nn.Module] = []
         self._stats: Dict[int, ModuleStats] = {}
         self._called = 0
@@ -186,12 +189,13 @@ class StepRecorder:
         self._saved: Dict[int, list] = {}    # storage key -> [nbytes, owners]
         self._outputs_seen: Set[int] = set()
         self._root_outputs: List[weakref.ref] = []
-        self._backward_started = False
+        self.backward_seen = False
         self._callback_queued = False
         self._phase = "forward"
         self._seg_owner: Optional[ModuleStats] = None
         self._seg_start = 0
         self._handles: list = []
+        self._failure: Optional[tuple] = None     # (exception, where it was raised)
         self._tensor_hooks = None
 
     # -- installing ---------------------------------------------------------------------------
@@ -226,12 +230,12 @@ class StepRecorder:
             return
         self._tops.append(top)
         for name, sub in top.named_modules():
-            if id(sub) not in self._names:
-                self._names[id(sub)] = (name or type(top).__name__, name.count(".") + 1 if name else 0)
+            self._names.setdefault(id(sub), name or type(top).__name__)
         for t in list(top.parameters()) + list(top.buffers()):
             self._state_keys.add(_storage_key(t)[1])
 
-    def _stats_for(self, module: torch.nn.Module) -> ModuleStats:
+    def _stats_for(self, module: torch.nn.Module, depth: int) -> ModuleStats:
+        """The figures of ``module``, created at its first call (``depth``: modules running)."""
         stats = self._stats.get(id(module))
         if stats is not None:
             return stats
@@ -239,10 +243,8 @@ class StepRecorder:
             # Built inside a forward and so in no named_modules() of a top-level module.
             parent = self._stack[-1].stats if self._stack and self._stack[-1].stats else None
             prefix = f"{parent.name}." if parent else ""
-            self._names[id(module)] = (f"{prefix}<{type(module).__name__}>",
-                                       parent.depth + 1 if parent else 0)
-        name, depth = self._names[id(module)]
-        stats = ModuleStats(name, type(module).__name__, depth, module)
+            self._names[id(module)] = f"{prefix}<{type(module).__name__}>"
+        stats = ModuleStats(self._names[id(module)], type(module).__name__, depth, module)
         for p in module.parameters(recurse=False):
             stats.params += _nbytes(p)
             self._param_owner.setdefault(id(p), (p, stats))
@@ -268,9 +270,9 @@ class StepRecorder:
             called.append(outside)
         idle = []
         for top in self._tops:
-            for sub in top.modules():
+            for name, sub in top.named_modules():
                 if id(sub) not in self._stats and any(True for _ in sub.parameters(recurse=False)):
-                    stats = self._stats_for(sub)
+                    stats = self._stats_for(sub, name.count(".") + 1 if name else 0)
                     stats.output_shape = "not called"
                     idle.append(stats)
         return called + idle
@@ -323,6 +325,19 @@ class StepRecorder:
         self._seg_owner, self._phase, self._seg_start = next_owner, next_phase, alloc
         return alloc
 
+    def _where_now(self) -> str:
+        if self._phase == "optimizer":
+            return "the optimizer step"
+        owner = self._stack[-1].stats if self._stack and self._stack[-1].stats else self._seg_owner
+        return f"{self._phase} of " + (f"{owner.name} ({owner.type})" if owner else OUTSIDE)
+
+    def where_failed(self, exc: BaseException) -> str:
+        """Where ``exc`` was raised, e.g. ``'forward of net.3 (Conv2d)'``: the innermost module
+        it left, seen by the post-hook that runs as it propagates; else where the step is now."""
+        if self._failure is not None and self._failure[0] is exc:
+            return self._failure[1]
+        return self._where_now()
+
     def finish(self, error: Optional[str] = None) -> None:
         """End the recording (at the step's end, or early with ``error`` saying why)."""
         if not self.recording:
@@ -364,7 +379,7 @@ class StepRecorder:
         if not self.recording:
             self._stack.append(_Frame(module, None))
             return
-        stats = self._stats_for(module)
+        stats = self._stats_for(module, len(self._stack))
         if stats.order < 0:
             stats.order, self._called = self._called, self._called + 1
         stats.calls += 1
@@ -379,6 +394,9 @@ class StepRecorder:
             return
         if not self._stack or self._stack[-1].module is not module:
             return
+        exc = sys.exc_info()[1]       # set when the forward raised and this runs as always_call
+        if exc is not None and (self._failure is None or self._failure[0] is not exc):
+            self._failure = (exc, self._where_now())
         frame = self._stack[-1]
         if frame.stats is None or not self.recording:
             self._stack.pop()
@@ -402,7 +420,10 @@ class StepRecorder:
             self._root_outputs = [weakref.ref(t) for t in outs if t.requires_grad]
 
     def _pack(self, t: torch.Tensor):
-        if not self.recording or t.device.type != self.device.type:
+        if not self.recording:
+            # Tagged all the same: its unpack says that a backward ran, which can end a step.
+            return t if self.done else _Saved(t, None)
+        if t.device.type != self.device.type:
             return t
         storage, key = _storage_key(t)
         if key is None or key in self._state_keys:
@@ -424,18 +445,18 @@ class StepRecorder:
     def _unpack(self, handle):
         if not isinstance(handle, _Saved):
             return handle
-        if self.recording:
-            if not self._backward_started:
-                self._backward_started = True
+        if not self._callback_queued and not self.done:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                self._callback_queued = True
+            except RuntimeError:
+                pass      # unpacked outside a backward pass (e.g. by checkpoint recompute)
+        if self.recording and handle.owner is not None:
+            if not self.backward_seen:
+                self.backward_seen = True
                 self.output_bytes = sum(
                     t.untyped_storage().nbytes() for t in (r() for r in self._root_outputs)
                     if t is not None and id(t.untyped_storage()) not in self._saved)
-            if not self._callback_queued:
-                try:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-                    self._callback_queued = True
-                except RuntimeError:
-                    pass      # unpacked outside a backward pass (e.g. by checkpoint recompute)
             if handle.owner is not self._seg_owner or self._phase != "backward":
                 self._boundary(handle.owner, "backward")
         return handle.tensor
@@ -469,7 +490,8 @@ class StepRecorder:
         self._boundary(None, "optimizer")
         for group in optimizer.param_groups:
             for p in group["params"]:
-                owner = self._param_owner.get(id(p), (None, self._outside()))[1]
+                known = self._param_owner.get(id(p))
+                owner = known[1] if known else self._outside()
                 for value in optimizer.state.get(p, {}).values():
                     if isinstance(value, torch.Tensor) and value.device.type == self.device.type:
                         owner.optimizer += _nbytes(value)

@@ -4,12 +4,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import info, run
-try:
-    from . import profile  # TEMP-GUARD
-except ImportError:
-    profile = None
-
+from . import info, profile, run
 
 __all__ = ["main"]
 
@@ -21,4 +16,4 @@ def main() -> None:
 
 
 for _module in (run, info, profile):
-    if _module is not None: main.add_command(_module.command)
+    main.add_command(_module.command)

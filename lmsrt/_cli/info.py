@@ -61,12 +61,11 @@ def _host() -> Dict[str, object]:
     from ..host import cgroup_available, host_budget
 
     vm = psutil.virtual_memory()
-    fixed = os.environ.get("LMSRT_HOST_BUDGET_GB")
     return {"total_bytes": vm.total, "available_bytes": vm.available,
             "cgroup_available_bytes": cgroup_available(),
             "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
             "pinned_budget_bytes": host_budget(),
-            "pinned_budget_fixed_gb": float(fixed) if fixed else None}
+            "pinned_budget_setting": os.environ.get("LMSRT_HOST_BUDGET_GB") or None}
 
 
 def _bandwidth(torch, nbytes: int = 256 << 20, reps: int = 5) -> Dict[str, float]:
@@ -129,23 +128,25 @@ def _gib(n: Optional[float]) -> str:
 
 def format_info(data: Dict[str, object]) -> str:
     """The text ``lmsrt info`` prints."""
-    row = "  {:<20}{}".format
+    row = "  {:<20} {}".format
     lines = [f"lmsrt {data['lmsrt']}",
              row("python", data["python"]),
              row("torch", data["torch"]),
              row("CUDA runtime", data["cuda_runtime"] or "none (CPU-only build of torch)"),
+             row("cuDNN", data["cudnn"] or "none"),
              row("NVIDIA driver", data["nvidia_driver"]),
              row("allocator", data["allocator"]),
              "GPUs"]
     if not data["gpus"]:
         lines.append(row("none", data["no_gpu_reason"]))
     for g in data["gpus"]:
-        lines.append(row(f"[{g['index']}] {g['capability']}", f"{g['name']}: {_gib(g['total_bytes'])} "
-                         f"total, {_gib(g['free_bytes'])} free"))
+        lines.append(row(f"[{g['index']}] {g['capability']}",
+                         f"{g['name']}: {_gib(g['total_bytes'])} total, "
+                         f"{_gib(g['free_bytes'])} free"))
     host = data["host"]
     cgroup = host["cgroup_available_bytes"]
-    budget = (f"{host['pinned_budget_fixed_gb']:g} GiB (LMSRT_HOST_BUDGET_GB)"
-              if host["pinned_budget_fixed_gb"] is not None else
+    budget = (f"{host['pinned_budget_setting']} GiB (LMSRT_HOST_BUDGET_GB)"
+              if host["pinned_budget_setting"] is not None else
               f"{_gib(host['pinned_budget_bytes'])} per local rank (80% of what is available"
               f"{' under the cgroup limit' if cgroup is not None else ''}, shared by "
               f"LOCAL_WORLD_SIZE={host['local_world_size']} ranks)")

@@ -1,4 +1,4 @@
-"""``lmsrt run``: run an unmodified training script with LMS enabled, in one process or under torchrun.
+"""``lmsrt run``: an unmodified training script with LMS enabled, in one process or under torchrun.
 
 One process: the script runs here through runpy, as ``python script.py`` would run it, with LMS
 active on the main thread from its first line to its last. With any torchrun option (say
@@ -80,7 +80,8 @@ def _torchrun_options(f):
         if kind is None:
             f = click.option(f"--{name}", dest, is_flag=True, help=f"[torchrun] {help_text}")(f)
         else:
-            f = click.option(f"--{name}", dest, type=kind, default=None, metavar="N" if kind in (int, float) else "VALUE",
+            metavar = "N" if kind in (int, float) else "VALUE"
+            f = click.option(f"--{name}", dest, type=kind, default=None, metavar=metavar,
                              help=f"[torchrun] {help_text}")(f)
     return f
 
@@ -226,7 +227,8 @@ def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module
 def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str, float],
               stats_path: Optional[str], gpu_limit: Optional[float]) -> object:
     """Run the script in this process with LMS on; return its exit status."""
-    saved_argv, saved_path, saved_active = sys.argv[:], sys.path[:], os.environ.get(_launch.ENV_ACTIVE)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_active = os.environ.get(_launch.ENV_ACTIVE)
     try:
         session = _launch.start(lms_overrides=settings, stats_path=stats_path,
                                 gpu_limit_gb=gpu_limit)
@@ -253,7 +255,7 @@ def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str,
         status = 1
     finally:
         session.finish()
-        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        sys.argv, sys.path[:] = saved_argv, saved_path
         if saved_active is None:
             os.environ.pop(_launch.ENV_ACTIVE, None)
         else:
@@ -264,7 +266,7 @@ def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str,
 def _print_script_traceback(e: BaseException) -> None:
     """The traceback python would print: without the frames of lmsrt and runpy above the script."""
     tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
         tb = tb.tb_next
     sys.stdout.flush()
     traceback.print_exception(type(e), e, tb, file=sys.stderr)

@@ -1,7 +1,8 @@
 """A small DDP training run that records each rank's per-step losses (tests/test_multigpu.py).
 
     torchrun --standalone --nproc-per-node 2 tests/scripts/ddp_losses.py --out /tmp/ddp
-    lmsrt run --standalone --nproc-per-node 2 --lms 1 --lms-frac 0 tests/scripts/ddp_losses.py --out /tmp/ddp-lms
+    lmsrt run --standalone --nproc-per-node 2 --lms 1 --lms-frac 0 \
+        tests/scripts/ddp_losses.py --out /tmp/ddp-lms
 
 Rank r writes OUT.rank{r}.json: the losses as float.hex strings, so they compare bit for bit.
 """

@@ -2,7 +2,8 @@
 (tests/test_multigpu.py).
 
     torchrun --standalone --nproc-per-node 2 tests/scripts/fsdp_losses.py --out /tmp/fsdp
-    lmsrt run --standalone --nproc-per-node 2 --lms 1 --lms-frac 0 tests/scripts/fsdp_losses.py --out /tmp/fsdp-lms
+    lmsrt run --standalone --nproc-per-node 2 --lms 1 --lms-frac 0 \
+        tests/scripts/fsdp_losses.py --out /tmp/fsdp-lms
 
 Rank r writes OUT.rank{r}.json: the losses as float.hex strings, so they compare bit for bit.
 """

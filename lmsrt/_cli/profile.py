@@ -1,0 +1,150 @@
+"""``lmsrt profile``: where the GPU memory of one training step of a script goes.
+
+The script runs here through runpy, unmodified, as ``python script.py`` would run it, with the
+recorder's hooks installed globally (every module's forward, every optimizer's step, a saved-tensors
+hook pair on this thread). It is stopped once the profiled step is over, and the report is printed:
+per-module table, peak and where it happens, the largest layer, and whether the step fits the GPU
+or what LMS settings to start with.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from typing import List, Optional, Sequence
+
+import click
+import torch
+
+from .. import _launch
+from .._recorder import StepDone, StepRecorder
+from .._timeline import MATPLOTLIB_MISSING
+from ..report import build_report
+
+__all__ = ["command"]
+
+_GIB = click.FloatRange(min=0, min_open=True)
+
+
+@click.command("profile", context_settings=dict(allow_interspersed_args=False))
+@click.option("--gpu-limit", type=_GIB, metavar="GIB",
+              help="Cap this process's GPU memory at GIB, as a smaller GPU would; if the step "
+              "runs out of memory the report says where.")
+@click.option("--gpu-size", type=_GIB, metavar="GIB",
+              help="GPU size for the verdict (default: what this process may use of this "
+              "GPU). Without a GPU: the size to predict for, e.g. --gpu-size 8.")
+@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Profile the Nth step (from the 2nd on, optimizer state of earlier steps "
+              "is there).")
+@click.option("--html", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the report as a self-contained HTML page.")
+@click.option("--png", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the memory timeline as a PNG (needs matplotlib).")
+@click.option("--snapshot", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write PyTorch's memory snapshot of the step, for "
+              "pytorch.org/memory_viz (CUDA only).")
+@click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
+def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, html: Optional[str],
+            png: Optional[str], snapshot: Optional[str], target_and_args: Sequence[str]) -> None:
+    """Run one training step of SCRIPT and report where its memory goes.
+
+    Options go before SCRIPT (or before --); everything after it is the script's own. A step
+    ends at the first optimizer step, or at the next forward of the model after a backward;
+    the script is stopped there.
+
+    \b
+    Examples:
+      lmsrt profile train.py --batch-size 4
+      lmsrt profile --gpu-limit 8 --html report.html -- train.py
+      lmsrt profile --gpu-size 8 --png timeline.png train.py     (no GPU: an estimate)
+    """
+    if not target_and_args:
+        raise click.UsageError("no script given; name it after the options, e.g. "
+                               "lmsrt profile --gpu-size 8 train.py")
+    script, args = target_and_args[0], list(target_and_args[1:])
+    if not os.path.isfile(script):
+        raise click.UsageError(f"script {script!r} does not exist; give the path of a Python file.")
+    if gpu_limit is not None:
+        _apply_gpu_limit(gpu_limit)
+    # Absolute, in case the script changes directory.
+    html, png, snapshot = (os.path.abspath(p) if p else None for p in (html, png, snapshot))
+    rec, status = _run_step(script, args, steps, snapshot)
+    if not rec.done:
+        raise click.ClickException(
+            f"{script} ended before step {steps} began (it started {rec.step}). The script must "
+            "train a module with gradients enabled; ask for fewer --steps, or check the "
+            "script's arguments.")
+    if gpu_size is None and not rec.measured:
+        gpu_size = gpu_limit       # no GPU to cap: predict for a GPU of that size instead
+    report = build_report(rec, f"{type(rec.root).__name__} in {os.path.basename(script)}",
+                          gpu_size)
+    report.script = " ".join([script, *args])
+    if not rec.backward_seen:
+        report.notes.append("no backward was seen: the figures cover forward only.")
+    click.echo(f"\n{report}")
+    if png and not report.save_png(png):
+        click.echo(f"lmsrt: {MATPLOTLIB_MISSING}", err=True)
+    elif png:
+        click.echo(f"wrote the timeline to {png}")
+    if html:
+        report.save_html(html)
+        click.echo(f"wrote the report to {html}")
+    if snapshot and rec.measured:
+        click.echo(f"wrote the memory snapshot to {snapshot} (open it in pytorch.org/memory_viz)")
+    elif snapshot:
+        click.echo("lmsrt: --snapshot needs a CUDA GPU; the step ran on "
+                   f"{report.device}, so no snapshot was written.", err=True)
+    raise SystemExit(status)
+
+
+def _apply_gpu_limit(limit_gb: float) -> None:
+    if not torch.cuda.is_available():
+        click.echo(f"lmsrt: no CUDA GPU to cap, so the report predicts for a GPU of "
+                   f"{limit_gb:g} GiB instead.", err=True)
+        return
+    try:
+        fraction = _launch.check_gpu_limit(limit_gb)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--gpu-limit'") from None
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def _run_step(script: str, args: List[str], steps: int, snapshot: Optional[str]):
+    """Run ``script`` until step ``steps`` is over; return the recorder and an exit status."""
+    rec = StepRecorder(target=steps, stop=True, snapshot=snapshot)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    status: object = 0
+    click.echo(f"lmsrt profile: running {script} to the end of step {steps}")
+    try:
+        # sys.argv and sys.path[0] as `python script.py` would set them.
+        sys.argv = [script, *args]
+        sys.path[0:1] = [os.path.dirname(os.path.abspath(script))]
+        with rec:
+            runpy.run_path(script, run_name="__main__")
+    except StepDone:
+        pass
+    except SystemExit as e:
+        status = 0 if e.code is None else e.code
+    except torch.OutOfMemoryError as e:
+        said = ". ".join(str(e).split(". ")[:2]) or "CUDA out of memory"
+        rec.finish(error=f"ran out of GPU memory in {rec.where_failed(e)}: {said}")
+        status = 1
+    except BaseException as e:
+        _print_script_traceback(e)
+        rec.finish(error=f"the script raised {type(e).__name__} in {rec.where_failed(e)}")
+        status = 1
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+    rec.finish()     # a script that ends inside the step (one step, no optimizer) ends it
+    return rec, status
+
+
+def _print_script_traceback(e: BaseException) -> None:
+    """The traceback python would print, without the frames of lmsrt and runpy above the script."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        tb = tb.tb_next
+    sys.stdout.flush()
+    traceback.print_exception(type(e), e, tb, file=sys.stderr)

@@ -1,0 +1,290 @@
+"""`lmsrt run` and `lmsrt info`, on the CPU: LMS runs on the simulated device (LMSRT_DEVICE=sim).
+
+In-process runs go through click's CliRunner; what only a real process shows (exit status,
+stderr, torchrun, the worker bootstrap) runs `python -m lmsrt` in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from lmsrt import arena
+from lmsrt._cli import main
+from lmsrt._cli.run import BOOTSTRAP_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A script that does not know about lmsrt: an MLP trained for argv[1] steps on the CPU.
+MLP_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                  for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+    for step in range(int(sys.argv[1]) if len(sys.argv) > 1 else 6):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.6f}")
+""")
+
+# Prints what the script sees, on one line, for the pass-through tests.
+ARGV_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    print("SEEN=" + json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                                "active": os.environ.get("LMSRT_ACTIVE")}))
+""")
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment of a child: this one without LMSRT_*/torchrun variables, LMS on `sim`."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSRT_") and k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["LMSRT_DEVICE"] = "sim"
+    env.update(extra)
+    return env
+
+
+def lmsrt_process(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmsrt", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env or clean_env(), timeout=180)
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), env=clean_env())
+
+
+def seen(output: str) -> dict:
+    line = next(l for l in output.splitlines() if l.startswith("SEEN="))
+    return json.loads(line[len("SEEN="):])
+
+
+def write(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+# -- passing the script its arguments -------------------------------------------------------------
+
+@pytest.mark.parametrize("before, after, expected", [
+    ([], ["--help", "-x", "3"], ["--help", "-x", "3"]),             # after the script
+    (["--"], ["--help"], ["--help"]),                                # after --
+    ([], ["--", "--help"], ["--", "--help"]),                        # a later -- is the script's
+    (["--lms", "1", "--lms-frac", "0"], ["--lms", "5"], ["--lms", "5"]),   # same names as ours
+])
+def test_script_gets_its_arguments_untouched(tmp_path, before, after, expected):
+    script = write(tmp_path / "dir" / "show.py", ARGV_SCRIPT)
+    result = invoke("run", *before, script, *after)
+    assert result.exit_code == 0, result.output
+    got = seen(result.output)
+    assert got["argv"] == [script, *expected]
+    assert got["path0"] == str(tmp_path / "dir")          # the script's directory, as python does
+    assert got["name"] == "__main__" and got["active"] == "1"
+
+
+def test_help_after_script_reaches_script_in_a_real_process(tmp_path):
+    script = write(tmp_path / "show.py", ARGV_SCRIPT)
+    result = lmsrt_process("run", "--lms", "1", script, "--help")
+    assert result.returncode == 0, result.stderr
+    assert seen(result.stdout)["argv"] == [script, "--help"]
+
+
+def test_module_mode(tmp_path, monkeypatch):
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "train.py", ARGV_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", "--lms", "1", "-m", "pkg.train", "--help", "a")
+    assert result.exit_code == 0, result.output
+    got = seen(result.output)
+    assert got["argv"][1:] == ["--help", "a"] and got["argv"][0].endswith("train.py")
+    assert got["name"] == "__main__" and got["path0"] == str(tmp_path)
+
+
+# -- bad input: exit status 2 and a message, before the script starts -----------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--lms-frac", "1.5"], "is not in [0, 1]"),
+    (["--lms-frac", "-0.1"], "is not in [0, 1]"),
+    (["--lms", "abc"], "'abc' is not a number"),
+    (["--prefetch-mb", "-5"], "is not >= 0"),
+    (["--host-budget-gb", "lots"], "is not a number"),
+    (["--gpu-limit", "0"], "is not > 0"),
+    (["--gpu-limit", "-2"], "is not > 0"),
+    (["--gpu-limit", "12GB"], "is not a number"),
+    (["--bogus"], "no such option '--bogus'"),
+    (["--node-rank", "first"], "is not a valid integer"),
+])
+def test_bad_option_exits_2_before_the_script(tmp_path, args, message):
+    marker = tmp_path / "ran"
+    script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
+    result = invoke("run", *args, script)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "no script given"),
+    (["missing.py"], "script 'missing.py' does not exist"),
+    (["-m", "no_such_module_for_lmsrt"], "no module named 'no_such_module_for_lmsrt'"),
+])
+def test_missing_script_exits_2(args, message):
+    result = invoke("run", "--lms", "1", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_bad_env_setting_exits_2(tmp_path):
+    script = write(tmp_path / "s.py", "")
+    result = CliRunner().invoke(main, ["run", script], env=clean_env(LMSRT_LMS_FRAC="lots"))
+    assert result.exit_code == 2 and "LMSRT_LMS_FRAC='lots' is not a number" in result.output
+
+
+@pytest.mark.cuda
+def test_gpu_limit_larger_than_the_gpu_exits_2(tmp_path):
+    script = write(tmp_path / "s.py", "")
+    result = CliRunner().invoke(main, ["run", "--gpu-limit", "100000", script])
+    assert result.exit_code == 2 and "more than GPU 0 has" in result.output
+
+
+# -- what the run leaves behind -------------------------------------------------------------------
+
+def test_stats_file_of_an_unmodified_script(tmp_path):
+    script = write(tmp_path / "mlp.py", MLP_SCRIPT)
+    stats = tmp_path / "out" / "stats.json"
+    result = lmsrt_process("run", "--lms", "1", "--lms-frac", "0", "--stats", str(stats),
+                           script, "6")
+    assert result.returncode == 0, result.stderr
+    assert "step 5 loss" in result.stdout
+    assert result.stderr.count("swapped out") == 1                   # the summary, once
+    data = json.loads(stats.read_text())
+    for key in ("enabled", "device", "config", "allocator", "total", "history", "last_step",
+                "step_times_s", "step_time_median_s", "rank", "world_size"):
+        assert key in data
+    assert data["enabled"] and data["device"] == "simulated" and data["rank"] == 0
+    assert data["config"]["lms"] == 1 and data["config"]["lms_frac"] == 0
+    assert data["total"]["steps"] == 6 and len(data["history"]) == 5
+    assert data["total"]["out_bytes"] > 0 and data["total"]["in_bytes"] > 0
+    assert all(step["out_bytes"] > 0 for step in data["history"])
+    assert len(data["step_times_s"]) == 4                            # starts of steps 2..6
+    assert data["step_time_warmup"] == 2 and data["step_time_median_s"] > 0
+
+
+@pytest.mark.parametrize("body, status", [
+    ("import sys; sys.exit(7)", 7),
+    ("import sys; sys.exit(None)", 0),
+    ("raise ValueError('boom')", 1),
+])
+def test_script_exit_status_propagates(tmp_path, body, status):
+    script = write(tmp_path / "s.py", MLP_SCRIPT + body + "\n")
+    stats = tmp_path / "stats.json"
+    result = invoke("run", "--lms", "1", "--lms-frac", "0", "--stats", str(stats), script, "2")
+    assert result.exit_code == status, result.output
+    assert json.loads(stats.read_text())["total"]["out_bytes"] > 0   # written however it ended
+
+
+def test_script_traceback_is_the_scripts(tmp_path):
+    script = write(tmp_path / "s.py", "def f():\n    raise ValueError('boom')\nf()\n")
+    result = lmsrt_process("run", script)
+    assert result.returncode == 1
+    assert "ValueError: boom" in result.stderr and 's.py", line 2, in f' in result.stderr
+    assert "runpy" not in result.stderr and "_cli" not in result.stderr
+
+
+# -- torchrun and the worker bootstrap ------------------------------------------------------------
+
+def test_torchrun_workers_enable_lms(tmp_path):
+    script = write(tmp_path / "mlp.py", MLP_SCRIPT)
+    stats = tmp_path / "stats.json"
+    result = lmsrt_process("run", "--standalone", "--nproc_per_node", "2", "--lms", "1",
+                           "--lms-frac", "0", "--stats", str(stats), script, "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("step 2 loss") == 2
+    assert result.stderr.count("swapped out") == 1                   # rank 0's summary only
+    for rank, path in ((0, stats), (1, tmp_path / "stats.json.rank1")):
+        data = json.loads(path.read_text())
+        assert data["rank"] == rank and data["world_size"] == 2
+        assert data["total"]["steps"] == 3 and data["total"]["out_bytes"] > 0
+
+
+CHILD_SCRIPT = MLP_SCRIPT + textwrap.dedent("""
+    import json, os, sitecustomize
+    print("SEEN=" + json.dumps({"user": os.environ.get("USER_SITECUSTOMIZE"),
+                                "module": getattr(sitecustomize, "MARKER", None),
+                                "lmsrt": "lmsrt._launch" in sys.modules}))
+""")
+
+# Makes LMSRT_LAUNCHER_PID this process's pid, then becomes the child script: what the launcher
+# does before it becomes torchrun.
+EXEC_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["LMSRT_LAUNCHER_PID"] = str(os.getpid())
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+""")
+
+
+@pytest.mark.parametrize("role", ["worker", "launcher", "worker_subprocess"])
+def test_bootstrap_enables_lms_in_workers_only_and_chains_sitecustomize(tmp_path, role):
+    user_dir = tmp_path / "user"
+    write(user_dir / "sitecustomize.py", "import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n"
+                                         "MARKER = 'user'\n")
+    child = write(tmp_path / "child.py", CHILD_SCRIPT)
+    stats = tmp_path / "stats.json"
+    env = clean_env(LMSRT_BOOTSTRAP="1", LMSRT_LMS="1", LMSRT_LMS_FRAC="0", LMSRT_STATS=str(stats),
+                    RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, str(user_dir), env["PYTHONPATH"]])
+    argv = [child, "3"]
+    if role == "launcher":
+        argv = [write(tmp_path / "exec.py", EXEC_SCRIPT), child, "3"]
+    if role == "worker_subprocess":
+        env["LMSRT_ACTIVE"] = "1"                 # inherited from the worker that started it
+    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    got = seen(result.stdout)
+    assert got["user"] == "ran" and got["module"] == "user"     # the user's sitecustomize ran
+    rank1 = tmp_path / "stats.json.rank1"
+    if role == "worker":
+        assert got["lmsrt"]
+        data = json.loads(rank1.read_text())
+        assert data["rank"] == 1 and data["total"]["steps"] == 3 and data["total"]["out_bytes"] > 0
+        assert "swapped out" not in result.stderr                    # rank 1 prints no summary
+    else:
+        assert not got["lmsrt"] and not rank1.exists()
+
+
+# -- lmsrt info -----------------------------------------------------------------------------------
+
+def test_info_says_what_is_there_and_what_is_missing():
+    result = invoke("info", "--bandwidth")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert arena.native_status() in out and torch.__version__ in out
+    for heading in ("NVIDIA driver", "GPUs", "host memory", "pinned budget", "bandwidth"):
+        assert heading in out
+    if not torch.cuda.is_available():
+        assert "skipped: no CUDA GPU" in out
+        assert ("CPU-only build" in out) == (torch.version.cuda is None)
+    else:
+        assert "GB/s" in out
+
+
+def test_info_json():
+    result = invoke("info", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["allocator"] == arena.native_status() and data["native_allocator"] == arena.NATIVE
+    assert data["host"]["pinned_budget_bytes"] > 0
+    assert data["settings"] == {"LMSRT_DEVICE": "sim"}
+    assert (data["gpus"] == []) == (not torch.cuda.is_available())
