@@ -88,16 +88,21 @@ def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, w
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
     else:
         ctx = contextlib.nullcontext()
-    times, peaks = [], []
+    times, peaks, phases, retries = [], [], [], []
     try:
         for i in range(warmup + steps):
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             t0 = time.perf_counter()
-            work.step(ctx)
+            work.step(ctx, marks)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             peaks.append(torch.cuda.max_memory_allocated())
+            # Retries: the allocator hit the cap, freed its cache and synchronised the device.
+            retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - before)
+            phases.append((marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3))
     except torch.OutOfMemoryError as e:
         phase = "backward" if "backward" in "".join(traceback.format_tb(e.__traceback__)) else "forward"
         return {"outcome": "OOM", "oom_step": len(times) + 1, "oom_phase": phase,
@@ -106,6 +111,9 @@ def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, w
                 "history": lms.stats()["history"] if lms else []}
     res = {"outcome": "ok", "step_s": statistics.median(times[warmup:]),
            "peak_gib": max(peaks[warmup:]) / GiB, "first_steps_s": times[:warmup],
+           "gpu_fwd_s": statistics.median(p[0] for p in phases[warmup:]),
+           "gpu_bwd_s": statistics.median(p[1] for p in phases[warmup:]),
+           "alloc_retries_per_step": statistics.median(retries[warmup:]),
            "moved_gib": None if method == "save_on_cpu" else 0.0}
     if lms is not None:
         last = lms.stats()["last_step"]

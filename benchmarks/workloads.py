@@ -75,10 +75,17 @@ class Workload:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             return self.model(self.x).float().square().mean()
 
-    def step(self, ctx):
+    def step(self, ctx, marks=None):
+        """One step; ``marks`` (three CUDA events) split its GPU time at the end of forward."""
+        if marks:
+            marks[0].record()
         with ctx:
             loss = self.forward()
+        if marks:
+            marks[1].record()
         loss.backward()
+        if marks:
+            marks[2].record()
         for p in self.model.parameters():
             p.grad = None
         return loss
