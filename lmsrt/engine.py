@@ -152,6 +152,7 @@ class SwapEngine:
         self._forward_end_use = 0      # GPU use when forward ended, net of copies in flight
         self._timed_waits: list = []
         self._backward_seen = False    # an unpack happened since this step's forward began
+        self._forward_open = False     # packs of this step's forward may still come
         self._use_read = 0             # GPU use at the last exact reading
         self._use_delta = 0            # bytes lmsrt added (+) or released (-) since that reading
         self._use_age = _EXACT_EVERY   # estimates given since that reading
@@ -161,7 +162,10 @@ class SwapEngine:
 
     def begin_forward(self) -> None:
         with self._lock:
+            if self._forward_open:
+                self.end_forward()
             self._backward_seen = False
+            self._forward_open = True
             self._reap()
             if self.step.step:
                 self._finish_step()
@@ -172,12 +176,18 @@ class SwapEngine:
             self._order = [s for s in self._order if not s.dead]
             for i, s in enumerate(self._order):
                 s.index = i
+            self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
             self._index = self._beyond_plan = 0
             if self.plan.planned:
                 self.host.reserve(self.plan.target)
 
     def end_forward(self) -> None:
+        """Forward is over: at ``with`` exit, or at the first unpack of a backward that follows
+        (under one ``with`` around a whole loop no exit marks it)."""
         with self._lock:
+            if not self._forward_open:
+                return
+            self._forward_open = False
             self._release_finished()
             self._forward_end_use = self.device.memory_allocated() - self._held_bytes
             self.step.forward_end_bytes = self._forward_end_use
@@ -231,7 +241,6 @@ class SwapEngine:
             if self._backward_seen and torch._C._current_graph_task_id() == -1:
                 # One `with lms:` around a whole loop (or `lmsrt run`): a forward that follows a
                 # backward starts a new step. Packs inside backward (checkpoint recompute) do not.
-                self.end_forward()
                 self.begin_forward()
             if self._dead:
                 self._reap()
@@ -335,6 +344,8 @@ class SwapEngine:
 
     def unpack(self, ref):
         self._backward_seen = True
+        if self._forward_open:
+            self.end_forward()
         if type(ref) is not _SwapRef:
             if self._cursor >= 0:               # every unpack moves prefetch along
                 with self._lock:

@@ -295,3 +295,21 @@ def test_checkpoint_recompute_is_not_a_step_boundary():
     assert all(torch.equal(a, b) for a, b in zip(ref, run(lms)))
     assert all(torch.equal(a, b) for a, b in zip(ref, run(lms)))
     assert len(lms.stats()["history"]) == 1        # two steps: one finished, one in flight
+
+
+def test_one_with_block_with_changing_depth_prefetches_each_step():
+    """Inside one `with lms:` (as under `lmsrt run`) the number of swapped storages changes from
+    step to step: prefetch must follow each step's own storages."""
+    model = _saved_sequence_model()
+    x = torch.randn(64, 128)
+    lms = make_lms("sim")
+    with lms:
+        for depth in (4, 8, 6, 3, 8):
+            model.zero_grad(set_to_none=True)
+            ref = model[:depth](x).square().mean()
+            ref_grads = torch.autograd.grad(ref, list(model[:depth].parameters()))
+            out = model[:depth](x).square().mean()
+            out.backward()
+            assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model[:depth].parameters()))
+    for step in lms.stats()["history"][1:] + [lms.stats()["last_step"]]:
+        assert step["prefetch_misses"] <= 1, step
