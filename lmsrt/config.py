@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Mapping, Optional
 
-__all__ = ["LMSConfig", "ENV_VARS"]
+__all__ = ["LMSConfig", "ENV_VARS", "cuda_index"]
 
 # Environment variable -> LMSConfig field, read by LMSConfig.from_env() and set by `lmsrt run`.
 ENV_VARS = {
@@ -18,12 +19,27 @@ ENV_VARS = {
 }
 
 
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+def _number(name: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number ({allowed}), got {type(value).__name__} "
+                        f"{value!r}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise ValueError(f"{name} must be finite ({allowed}), got {value!r}")
     return float(value)
+
+
+def cuda_index(spec: Optional[str]) -> Optional[int]:
+    """The CUDA index a device string names (None for ``None``/``"cuda"``: the current device).
+
+    Raises ValueError for anything but ``None``, ``"cuda"``, ``"cuda:N"``, ``"sim"``.
+    """
+    if spec is None or spec == "cuda" or spec in ("sim", "simulated"):
+        return None
+    number = spec[5:] if spec.startswith("cuda:") else ""
+    if not number.isdigit():
+        raise ValueError(f"device must be 'cuda', 'cuda:N' (N = 0, 1, ...), 'sim' or None, got "
+                         f"{spec!r}")
+    return int(number)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,23 +72,24 @@ class LMSConfig:
     device: Optional[str] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lms", _number("lms", self.lms))
-        frac = _number("lms_frac", self.lms_frac)
+        object.__setattr__(self, "lms", _number("lms", self.lms, "KB; <= 0 turns swapping off"))
+        frac = _number("lms_frac", self.lms_frac, "in [0, 1]")
         if not 0.0 <= frac <= 1.0:
             raise ValueError(f"lms_frac must be in [0, 1], got {frac!r}")
         object.__setattr__(self, "lms_frac", frac)
-        prefetch = _number("prefetch_mb", self.prefetch_mb)
+        prefetch = _number("prefetch_mb", self.prefetch_mb, "MiB, >= 0")
         if prefetch < 0:
             raise ValueError(f"prefetch_mb must be >= 0 MiB, got {prefetch!r}")
         object.__setattr__(self, "prefetch_mb", prefetch)
         if self.host_budget_gb is not None:
-            budget = _number("host_budget_gb", self.host_budget_gb)
+            budget = _number("host_budget_gb", self.host_budget_gb, "GiB, >= 0, or None for auto")
             if budget < 0:
                 raise ValueError(f"host_budget_gb must be >= 0 GiB or None, got {budget!r}")
             object.__setattr__(self, "host_budget_gb", budget)
         if self.device is not None and not isinstance(self.device, str):
-            raise TypeError(
-                f"device must be a string such as 'cuda', 'cuda:1' or 'sim', got {self.device!r}")
+            raise TypeError(f"device must be None or a string: 'cuda', 'cuda:N' or 'sim', got "
+                            f"{type(self.device).__name__} {self.device!r}")
+        cuda_index(self.device)
 
     @property
     def enabled(self) -> bool:

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from .config import cuda_index
+
 __all__ = ["CudaDevice", "SimulatedDevice", "resolve_device"]
 
 
@@ -162,14 +164,18 @@ class SimulatedDevice:
         self._live: dict = {}   # id(storage) -> nbytes, for storages still alive
         self._allocated = 0
         self._peak = 0
+        self._default_stream = _SimStream()
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.is_cpu
 
     def current_stream(self):
-        return _SimStream()
+        """One stream, as every thread on a GPU has the same default stream."""
+        return self._default_stream
 
-    new_stream = current_stream
+    @staticmethod
+    def new_stream():
+        return _SimStream()
 
     def new_event(self, timing: bool = False):
         return _SimEvent(self.copy_lag)
@@ -220,17 +226,27 @@ class SimulatedDevice:
 
 
 def resolve_device(spec) -> Optional[object]:
-    """Turn ``None``/``"cuda"``/``"cuda:N"``/``"sim"``/a device object into a device, or None.
+    """Turn ``None``/``"cuda"``/``"cuda:N"``/``"sim"``/a ``torch.device``/a device object into a
+    device, or None.
 
-    None means no accelerator is there: the caller runs as a no-op and says so.
+    None means no accelerator is there: the caller runs as a no-op and says so. A malformed
+    spec raises whether or not there is a GPU, so a script fails on the laptop it was written on.
     """
-    if spec is not None and not isinstance(spec, str):
+    if isinstance(spec, (CudaDevice, SimulatedDevice)):
         return spec
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    if spec is not None and not isinstance(spec, str):
+        raise TypeError(f"device must be None, 'cuda', 'cuda:N', 'sim' or a torch.device, got "
+                        f"{type(spec).__name__} {spec!r}")
     if spec in ("sim", "simulated"):
         return SimulatedDevice()
-    if spec is None or spec == "cuda" or spec.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            return None
-        index = None if spec in (None, "cuda") else int(spec.split(":", 1)[1])
-        return CudaDevice(index)
-    raise ValueError(f"device must be 'cuda', 'cuda:N', 'sim' or None, got {spec!r}")
+    index = cuda_index(spec)
+    if not torch.cuda.is_available():
+        return None
+    if index is not None and index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"device {spec!r} does not exist: this machine has {count} CUDA "
+                         f"device{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1}); pick "
+                         "one of them, or leave device out for the current one.")
+    return CudaDevice(index)

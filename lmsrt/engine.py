@@ -21,6 +21,15 @@ and the H2D stream. Every rule below is a stream-ordered dependency, never a hos
     handle is dead. Any H2D copy that read it is by then a compute-stream dependency (Rules 3
     and 4), and every later D2H write into that slot waits on a later compute event (Rule 1), so
     a write cannot overtake a read; two D2H writes are ordered by their one stream.
+  Rule 6 (one compute stream at a time). Rules 1-4 order everything against ``compute``, so
+    a forward may start on another stream only when no swapped storage of an earlier forward is
+    alive and no other thread's forward is open; begin_forward refuses it otherwise. Threads
+    that share one LMS therefore share its compute stream (CUDA's default stream, unless set).
+  Rule 7 (a failed copy is never trusted). A D2H copy that raises frees its slot at once (any
+    later write into it is ordered behind on the D2H stream) and the source stays on the GPU
+    as a kept tensor. An H2D copy that raises drops the restored block and fails backward.
+  Rule 8 (close waits). close() synchronizes the device before it drops sources, restored
+    copies and host slots, so nothing in flight outlives what it reads or writes.
 
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
@@ -30,7 +39,10 @@ source is dropped at once (Rule 2).
 from __future__ import annotations
 
 import collections
+import sys
 import threading
+import warnings
+import weakref
 from typing import List, Optional
 
 import torch
@@ -48,6 +60,10 @@ __all__ = ["SwapEngine"]
 # alive), so the estimate errs high on lmsrt's part. It reads again after this many estimates, or
 # as soon as the estimate comes within 1/16 of the mark, where decisions change.
 _EXACT_EVERY = 8
+
+# Saved tensors of a torch.compile'd region reach pack from AOTAutograd's autograd.Function, all
+# at once after the region's forward; Function.apply is then the Python frame that called pack.
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
 class _Storage:
@@ -95,11 +111,10 @@ class _SwapRef:
         storage.handles += 1
 
     def __del__(self):
+        # Runs wherever autograd drops the graph: inside engine code, on another thread, at exit.
+        # Only queue it (deque.append is atomic); _reap counts it down under the engine's lock.
         s = self.storage
-        s.handles -= 1
-        if s.handles == 0:
-            # Runs wherever autograd drops the graph, possibly inside engine code: only queue it.
-            s.engine._dead.append(s)
+        s.engine._dead.append(s)
 
 
 def _eligible_storage(t: torch.Tensor, device, min_bytes: int):
@@ -156,28 +171,40 @@ class SwapEngine:
         self._use_read = 0             # GPU use at the last exact reading
         self._use_delta = 0            # bytes lmsrt added (+) or released (-) since that reading
         self._use_age = _EXACT_EVERY   # estimates given since that reading
+        self._largest = (0, 0)         # (bytes, save index) of this forward's largest storage
+        self._warned: set = set()      # which one-time warnings were given
         self.closed = False
 
     # -- step boundaries ---------------------------------------------------------------------
 
     def begin_forward(self) -> None:
         with self._lock:
+            self._reap()
+            self._order = [s for s in self._order if not s.dead]
+            stream = self.device.current_stream()
+            if stream != self.compute and (self._forward_open or self._order):
+                raise RuntimeError(
+                    f"lmsrt: a forward started on stream {stream} while tensors saved on stream "
+                    f"{self.compute} are still in use (another thread's forward, or a graph not "
+                    "yet run backward). One LMS orders its copies against one compute stream "
+                    "(NOTE [ Stream lifetimes ], Rule 6): run every forward that shares it on "
+                    "the same stream, or give each stream its own lmsrt.LMS.")
             if self._forward_open:
                 self.end_forward()
             self._backward_seen = False
             self._forward_open = True
-            self._reap()
             if self.step.step:
                 self._finish_step()
-            self.step = StepStats(step=len(self.run_stats.history) + 1, mode=self.plan.mode,
+            self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode,
                                   plan_target_bytes=self.plan.target if self.plan.planned else 0)
-            self.compute = self.device.current_stream()
+            self.compute = stream
             self._by_ptr.clear()
-            self._order = [s for s in self._order if not s.dead]
             for i, s in enumerate(self._order):
                 s.index = i
             self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
             self._index = self._beyond_plan = 0
+            self._largest = (0, 0)
+            self.host.new_step()
             if self.plan.planned:
                 self.host.reserve(self.plan.target)
 
@@ -205,7 +232,7 @@ class SwapEngine:
         self._collect_waits(s)
         s.mode = "plan" if self.plan.followed else "reactive"
         self.plan.finish_step(self._forward_end_use, s.out_bytes, self._beyond_plan, self.mark)
-        self.run_stats.history.append(s)
+        self.run_stats.add(s)
         self.device.reset_peak()
 
     def current_step(self) -> StepStats:
@@ -253,10 +280,15 @@ class SwapEngine:
             return _SwapRef(entry, t)
 
     def _new_storage(self, t: torch.Tensor, storage, version: int):
-        import weakref
         nbytes = storage.nbytes()
         index = self._index
         self._index += 1
+        if nbytes > self._largest[0]:
+            self._largest = (nbytes, index)
+        if "compile" not in self._warned:
+            caller = sys._getframe(1).f_back       # what called pack; None on autograd's threads
+            if caller is not None and caller.f_code is _FUNCTION_APPLY:
+                self._check_compiled(caller.f_back)
         self.device.note_saved(storage)
         ref = weakref.ref(storage)
         self._use_delta += nbytes
@@ -307,10 +339,18 @@ class SwapEngine:
         ready = self.device.new_event()
         ready.record(self.compute)
         self.d2h.wait_event(ready)                         # Rule 1
-        with self._on_d2h:
-            slot.tensor.copy_(s.source, non_blocking=True)
-            s.copy_done = self.device.new_event()
-            s.copy_done.record(self.d2h)
+        try:
+            with self._on_d2h:
+                slot.tensor.copy_(s.source, non_blocking=True)
+                s.copy_done = self.device.new_event()
+                s.copy_done.record(self.d2h)
+        except Exception as e:                             # Rule 7: keep it on the GPU
+            self.host.free(slot)
+            self._warn_once("d2h", f"lmsrt: copying a saved tensor ({_size(nbytes)}) to "
+                            f"host memory failed ({type(e).__name__}: {e}); it stays on the GPU, "
+                            "as will any other whose copy fails, and gradients are unaffected. If "
+                            "the GPU then runs out, the error says what to change.")
+            return None
         self._held.append(s)
         self._held_bytes += nbytes
         s.index = len(self._order)
@@ -355,7 +395,13 @@ class SwapEngine:
             if self._dead:
                 self._reap()
             s = ref.storage
-            data = self._resident(s)
+            try:
+                data = self._resident(s)
+            except torch.OutOfMemoryError as e:
+                self.annotate_oom(e, f"bringing a saved tensor back for backward: a {ref.dtype} "
+                                  f"tensor of shape {tuple(ref.size)}, whose storage of "
+                                  f"{_size(s.nbytes)} did not fit")
+                raise
             s.unpacked += 1
             if s.unpacked >= s.handles and s.source is None:
                 # Every view has been handed out: autograd's references keep the block alive for
@@ -393,14 +439,27 @@ class SwapEngine:
         s.fetch_waited = True
 
     def _fetch(self, s: _Storage) -> None:
+        if s.host is None:
+            raise RuntimeError(
+                "lmsrt: backward needs a saved tensor that this LMS swapped out, but the LMS was "
+                "closed (LMS.close(), or interpreter exit) and its host memory given back. Run "
+                "backward before closing the LMS.")
         s.gpu = self.device.empty(s.nbytes)             # Rule 3: allocated on the compute stream
         ready = self.device.new_event()
         ready.record(self.compute)
         self.h2d.wait_event(ready)
-        with self._on_h2d:
-            s.gpu.copy_(s.host.tensor, non_blocking=True)
-            s.fetch_done = self.device.new_event()
-            s.fetch_done.record(self.h2d)
+        try:
+            with self._on_h2d:
+                s.gpu.copy_(s.host.tensor, non_blocking=True)
+                s.fetch_done = self.device.new_event()
+                s.fetch_done.record(self.h2d)
+        except Exception as e:                          # Rule 7: never hand out those bytes
+            s.gpu = None
+            raise RuntimeError(
+                f"lmsrt: copying a swapped-out saved tensor ({_size(s.nbytes)}) back to "
+                f"the GPU for backward failed ({type(e).__name__}: {e}), so backward stops "
+                "rather than use bytes that may be wrong. If it recurs, run without LMS "
+                "(lms=0) to see whether the GPU itself is at fault.") from e
         s.fetch_waited = False
         s.unpacked = 0
         self._ahead += s.nbytes
@@ -438,7 +497,13 @@ class SwapEngine:
             if (self._ahead or self.mark) and (self._ahead + s.nbytes > self.window
                                                or self._gpu_use() + s.nbytes > self.mark):
                 break
-            self._fetch(s)
+            try:
+                self._fetch(s)
+            except torch.OutOfMemoryError:
+                # A prefetch is optional: stop for this pass (each failed allocation empties
+                # the allocator's cache) and let backward fetch on demand.
+                self._cursor = -1
+                break
             self._cursor -= 1
 
     # -- release -----------------------------------------------------------------------------
@@ -448,6 +513,9 @@ class SwapEngine:
         dead = self._dead
         while dead:
             s = dead.popleft()
+            s.handles -= 1
+            if s.handles:
+                continue
             s.dead = True
             if s.gpu is not None:
                 if not s.fetch_waited:
@@ -461,15 +529,101 @@ class SwapEngine:
                 s.host = None
 
     def close(self) -> None:
-        """Wait for copies in flight and give back pinned memory. The engine is unusable after."""
+        """Wait for copies in flight and give back pinned memory. The engine is unusable after:
+        a graph still alive fails in backward with a clear error (``_fetch``), and its handles
+        die harmlessly."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            self.device.synchronize()
-            self._reap()
-            self._held.clear()
-            self._held_bytes = 0
-            self._order.clear()
-            self._by_ptr.clear()
-            self.host.close()
+            try:
+                self.device.synchronize()                   # Rule 8
+            finally:
+                self._reap()
+                for s in self._order:
+                    s.source = s.gpu = s.host = None
+                self._held.clear()
+                self._held_bytes = self._ahead = 0
+                self._order.clear()
+                self._by_ptr.clear()
+                self.host.close()
+
+    # -- what goes wrong ---------------------------------------------------------------------
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _check_compiled(self, frame) -> None:
+        """The storage being saved comes from an autograd.Function: say once if that Function is
+        a torch.compile'd region (AOTAutograd's), whose saves arrive only after its forward."""
+        for _ in range(3):
+            if frame is None:
+                return
+            if "_aot_autograd" in frame.f_code.co_filename:
+                break
+            frame = frame.f_back
+        else:
+            return
+        self._warn_once("compile", "lmsrt: a torch.compile'd region saves its tensors for "
+                        "backward all at once after its forward and takes them back all at once "
+                        "when its backward starts, so swapping lowers GPU memory only between "
+                        "compiled regions, never inside one. Gradients are unaffected. To save "
+                        "more, compile smaller regions (each transformer block, say) or leave the "
+                        "largest layers uncompiled.")
+
+    def annotate_oom(self, exc: BaseException, where: str) -> None:
+        """Add what lmsrt knows to an out-of-memory error raised while it is active: GPU use,
+        the mark, what this step swapped and kept, its largest saved storage, what to change."""
+        if getattr(exc, "_lmsrt_annotated", False):
+            return
+        exc._lmsrt_annotated = True
+        step, cfg = self.step, self.config
+        refused = self.host.refused
+        largest, largest_index = self._largest
+        lines = [
+            f"lmsrt: out of GPU memory with LMS on, {where}.",
+            f"  GPU: {_size(self.device.memory_allocated())} allocated now, "
+            f"{_size(self.device.peak_allocated())} peak this step, of {_size(self.limit)} this "
+            f"process may use; swapping starts at {_size(self.mark)} "
+            f"(lms_frac={cfg.lms_frac:g}).",
+            f"  This step: {_size(step.out_bytes)} swapped out ({step.out_tensors} storages), "
+            f"{_size(step.kept_bytes)} eligible but kept on the GPU; largest "
+            f"saved storage {_size(largest)} (saved {largest_index + 1}"
+            f"{_ordinal(largest_index + 1)} in forward).",
+        ]
+        if refused:
+            lines.append(f"  {refused} saved tensors stayed on the GPU because the host memory "
+                         "budget was reached or pinning failed: raise host_budget_gb "
+                         "(--host-budget-gb, LMSRT_HOST_BUDGET_GB) or free host memory.")
+        if "d2h" in self._warned:
+            lines.append("  Copies to host memory failed (see the warning given then), so those "
+                         "tensors stayed on the GPU.")
+        if self.mark == 0 and cfg.min_bytes <= 1 << 20:
+            lines.append("  Swapping is already at its most (lms_frac=0, lms<=1024 KB): what is "
+                         "left is one layer's working set, parameters, gradients and optimizer "
+                         "state. Lower the batch size, checkpoint activations "
+                         "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
+                         "layer.")
+        else:
+            lines.append(f"  To fit: lower lms_frac (--lms-frac, now {cfg.lms_frac:g}) so "
+                         f"swapping starts earlier; lower lms (--lms, now {cfg.lms:g} KB) so "
+                         "smaller tensors go too; set "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
+                         "fragmentation; or run `lmsrt profile` to see the largest layer's "
+                         "working set, below which no offload goes.")
+        message = "\n".join(lines)
+        first = str(exc.args[0]) if exc.args else ""
+        exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _ordinal(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")

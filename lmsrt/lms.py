@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import warnings
 import weakref
@@ -19,6 +20,8 @@ __all__ = ["LMS"]
 
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
 _said_native = False
+_said_no_gpu = False
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LMSConfig)}
 
 
 def _say_native_once() -> None:
@@ -30,10 +33,23 @@ def _say_native_once() -> None:
     _said_native = True
 
 
+def _say_no_gpu_once() -> None:
+    # Once per process: a CPU-only run that builds an LMS per model or per epoch needs one line.
+    global _said_no_gpu
+    if not _said_no_gpu:
+        warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
+                      "machine, or pass device='sim' to test on the CPU.", RuntimeWarning,
+                      stacklevel=3)
+    _said_no_gpu = True
+
+
 @atexit.register
 def _close_all() -> None:
     # Pinned slabs go back before CUDA tears down (a static buffer that outlived the driver
-    # crashed Caffe LMS at exit).
+    # crashed Caffe LMS at exit). atexit runs handlers last-registered first: this one is
+    # registered when lmsrt is imported, after torch's import-time handlers, so it runs before
+    # them; the CUDA context itself goes only after every handler. Graphs still alive keep their
+    # handles, which close() leaves harmless.
     for engine in list(_live_engines):
         try:
             engine.close()
@@ -56,6 +72,10 @@ class LMS:
         device: ``None`` (the current CUDA device), ``"cuda:N"``, or ``"sim"`` for CPU tests.
         config: an ``LMSConfig`` instead of the arguments above.
 
+    Threads may share one LMS, each entering it, when they run forward on the same CUDA stream
+    (``NOTE [ Stream lifetimes ]``, Rule 6). An out-of-memory error raised inside the block
+    leaves it as the same ``torch.OutOfMemoryError``, with lmsrt's context added to its message.
+
     Example::
 
         lms = lmsrt.LMS(lms=1000, lms_frac=0.4)
@@ -70,21 +90,30 @@ class LMS:
     def __init__(self, lms: float = 1000.0, lms_frac: float = 0.75, *, prefetch_mb: float = 4096.0,
                  host_budget_gb: Optional[float] = None, device=None,
                  config: Optional[LMSConfig] = None):
+        if isinstance(device, torch.device):
+            device = str(device)
         if config is None:
             spec = device if device is None or isinstance(device, str) else None
             config = LMSConfig(lms=lms, lms_frac=lms_frac, prefetch_mb=prefetch_mb,
                                host_budget_gb=host_budget_gb, device=spec)
         elif not isinstance(config, LMSConfig):
-            raise TypeError(f"config must be an lmsrt.LMSConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be an lmsrt.LMSConfig, got {type(config).__name__}; "
+                            "build one with lmsrt.LMSConfig(lms=..., lms_frac=...)")
+        else:
+            given = dict(lms=lms, lms_frac=lms_frac, prefetch_mb=prefetch_mb,
+                         host_budget_gb=host_budget_gb)
+            clash = [k for k, v in given.items() if v != _DEFAULTS[k]]
+            if clash:
+                raise TypeError(f"pass either config or {', '.join(clash)}, not both: put "
+                                f"them in the config, e.g. "
+                                f"dataclasses.replace(config, {clash[0]}=...)")
         self.config = config
         self._device = resolve_device(device if device is not None else config.device)
         self._engine: Optional[SwapEngine] = None
         self._active = threading.local()
         if self._device is None:
             if config.enabled:
-                warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; "
-                              "run on a GPU machine, or pass device='sim' to test on the CPU.",
-                              RuntimeWarning, stacklevel=2)
+                _say_no_gpu_once()
         elif config.enabled:
             _say_native_once()
             self._engine = SwapEngine(config, self._device)
@@ -120,12 +149,15 @@ class LMS:
         self._active.hooks = hooks
         return self
 
-    def __exit__(self, *exc) -> None:
-        hooks = self._active.hooks
+    def __exit__(self, exc_type, exc, tb) -> None:
+        hooks = getattr(self._active, "hooks", None)
         self._active.hooks = None
         if hooks:
-            hooks.__exit__(*exc)
+            hooks.__exit__(exc_type, exc, tb)
             self._engine.end_forward()
+            if isinstance(exc, torch.OutOfMemoryError):
+                # The same exception goes on, with lmsrt's context added to its message.
+                self._engine.annotate_oom(exc, "in forward")
 
     def stats(self) -> Dict[str, object]:
         """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""

@@ -1,10 +1,11 @@
 """Counters of the swap engine, per step and in total, and the one-screen summary."""
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Dict, List
+from typing import Deque, Dict
 
-__all__ = ["StepStats", "RunStats", "format_summary"]
+__all__ = ["StepStats", "RunStats", "format_summary", "HISTORY_STEPS"]
 
 GiB = float(2**30)
 
@@ -42,18 +43,38 @@ _SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_te
            "host_refused")
 
 
+# Finished steps kept for ``LMS.stats()["history"]``. A run of a million steps must not grow by a
+# record per step, nor make each ``stats()`` call slower: totals are kept as running sums.
+HISTORY_STEPS = 200
+
+
 @dataclasses.dataclass
 class RunStats:
-    """All finished steps plus the one in flight."""
+    """Running totals of all finished steps, and the last ``HISTORY_STEPS`` of them."""
 
-    history: List[StepStats] = dataclasses.field(default_factory=list)
+    history: Deque[StepStats] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY_STEPS))
+    steps: int = 0
+    sums: Dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(_SUMMED, 0))
+    gpu_peak_bytes: int = 0
+    host_peak_bytes: int = 0
+
+    def add(self, step: StepStats) -> None:
+        self.history.append(step)
+        self.steps += 1
+        for name in _SUMMED:
+            self.sums[name] += getattr(step, name)
+        self.gpu_peak_bytes = max(self.gpu_peak_bytes, step.gpu_peak_bytes)
+        self.host_peak_bytes = max(self.host_peak_bytes, step.host_peak_bytes)
 
     def totals(self, current: StepStats) -> Dict[str, object]:
-        steps = self.history + ([current] if current.step else [])
-        total: Dict[str, object] = {name: sum(getattr(s, name) for s in steps) for name in _SUMMED}
-        total["steps"] = len(steps)
-        total["gpu_peak_bytes"] = max((s.gpu_peak_bytes for s in steps), default=0)
-        total["host_peak_bytes"] = max((s.host_peak_bytes for s in steps), default=0)
+        """Sums over the finished steps and ``current`` (the step in flight, if any)."""
+        live = [current] if current.step else []
+        total: Dict[str, object] = {name: self.sums[name] + sum(getattr(s, name) for s in live)
+                                    for name in _SUMMED}
+        total["steps"] = self.steps + len(live)
+        total["gpu_peak_bytes"] = max([self.gpu_peak_bytes] + [s.gpu_peak_bytes for s in live])
+        total["host_peak_bytes"] = max([self.host_peak_bytes] + [s.host_peak_bytes for s in live])
         total["host_pinned_bytes"] = current.host_pinned_bytes
         return total
 

@@ -18,8 +18,10 @@ def torch_device(kind: str) -> torch.device:
     return torch.device("cuda" if kind == "cuda" else "cpu")
 
 
-def make_lms(kind: str, capacity: int = 1 << 30, copy_lag: int = 0, **kw) -> lmsrt.LMS:
-    device = SimulatedDevice(capacity=capacity, copy_lag=copy_lag) if kind == "sim" else "cuda"
+def make_lms(kind: str, capacity: int = 1 << 30, copy_lag: int = 0, pin_limit=None,
+             **kw) -> lmsrt.LMS:
+    device = (SimulatedDevice(capacity=capacity, copy_lag=copy_lag, pin_limit=pin_limit)
+              if kind == "sim" else "cuda")
     kw.setdefault("lms", 1)
     kw.setdefault("lms_frac", 0.0)
     return lmsrt.LMS(device=device, **kw)

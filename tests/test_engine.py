@@ -249,6 +249,7 @@ def test_nested_with_is_refused():
 
 def test_no_gpu_is_a_noop_with_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(lmsrt.lms, "_said_no_gpu", False)     # said once per process
     with pytest.warns(RuntimeWarning, match="no CUDA device"):
         lms = lmsrt.LMS()
     assert not lms.enabled
