@@ -11,6 +11,8 @@ the workers' PYTHONPATH (``lmsrt/_cli/_bootstrap``), with everything passed in t
     LMSRT_LMS, LMSRT_LMS_FRAC, ...   the LMS settings (``lmsrt.config.ENV_VARS``)
     LMSRT_STATS                      JSON stats file; rank r > 0 writes ``FILE.rank{r}``
     LMSRT_GPU_LIMIT_GB               the most GPU memory each process may allocate, GiB
+    LMSRT_MAX_STEPS=N                end the script, as if it called ``sys.exit(0)``, when step
+                                     N + 1 would start (``lmsrt tune`` sets it for its trials)
     LMSRT_ACTIVE=1                   set by ``start()``: a script that enables LMS itself reads it
                                      and does not enable it a second time (see examples/)
     LMSRT_BOOTSTRAP, LMSRT_LAUNCHER_PID   tell the bootstrap which processes are workers
@@ -31,12 +33,14 @@ import time
 import warnings
 from typing import Dict, List, Mapping, Optional
 
-__all__ = ["ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID",
-           "Session", "StepClock", "check_gpu_limit", "start", "stats_path_for_rank"]
+__all__ = ["ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS", "ENV_BOOTSTRAP",
+           "ENV_LAUNCHER_PID", "Session", "StepClock", "check_gpu_limit", "start",
+           "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
 ENV_STATS = "LMSRT_STATS"
 ENV_GPU_LIMIT = "LMSRT_GPU_LIMIT_GB"
+ENV_MAX_STEPS = "LMSRT_MAX_STEPS"
 ENV_BOOTSTRAP = "LMSRT_BOOTSTRAP"
 ENV_LAUNCHER_PID = "LMSRT_LAUNCHER_PID"
 
@@ -53,14 +57,21 @@ class StepClock:
     one engine instance; the engine module is not changed. Times are host-side: without a device
     sync they equal GPU step times only in the steady state, where the host cannot run further
     ahead of the GPU, hence the median after warm-up.
+
+    With ``max_steps`` N, the start of step N + 1 raises ``SystemExit(0)`` instead: the script
+    ends there as if it had called ``sys.exit(0)``, and the session writes its stats as at any end.
+    The exception leaves through the saved-tensor hook that found the new step, before the engine
+    starts it, so the stats are those of N whole steps and of N - 1 timed ones.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, max_steps: Optional[int] = None) -> None:
         self.starts: List[float] = []
         begin_forward = engine.begin_forward
 
         def timed_begin_forward() -> None:
             self.starts.append(time.perf_counter())
+            if max_steps is not None and len(self.starts) >= max_steps:
+                raise SystemExit(0)
             begin_forward()
 
         engine.begin_forward = timed_begin_forward
@@ -93,9 +104,11 @@ class Session:
             session.finish()
     """
 
-    def __init__(self, lms, stats_path: Optional[str] = None, rank: int = 0, world_size: int = 1):
+    def __init__(self, lms, stats_path: Optional[str] = None, rank: int = 0, world_size: int = 1,
+                 max_steps: Optional[int] = None):
         self.lms = lms
         self.stats_path = stats_path
+        self.max_steps = max_steps
         self.rank = rank
         self.world_size = world_size
         self.clock: Optional[StepClock] = None
@@ -106,7 +119,7 @@ class Session:
         if self.lms._engine is not None:
             # After __enter__, so the first time taken is the start of step 2: step 1 also holds
             # the script's set-up, which is no step time.
-            self.clock = StepClock(self.lms._engine)
+            self.clock = StepClock(self.lms._engine, self.max_steps)
         os.environ[ENV_ACTIVE] = "1"
         return self
 
@@ -205,6 +218,7 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
     from .lms import LMS
 
     environ = os.environ if environ is None else environ
+    max_steps = _max_steps(environ)
     overrides = dict(lms_overrides or {})
     local_rank = environ.get("LOCAL_RANK")
     if ("device" not in overrides and not environ.get("LMSRT_DEVICE") and local_rank is not None
@@ -228,5 +242,19 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
     lms = LMS.from_env(**overrides)
     session = Session(lms, stats_path=stats_path or environ.get(ENV_STATS) or None,
                       rank=int(environ.get("RANK", 0) or 0),
-                      world_size=int(environ.get("WORLD_SIZE", 1) or 1))
+                      world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps)
     return session.start()
+
+
+def _max_steps(environ: Mapping[str, str]) -> Optional[int]:
+    raw = environ.get(ENV_MAX_STEPS)
+    if not raw:
+        return None
+    try:
+        steps = int(raw)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise ValueError(f"{ENV_MAX_STEPS}={raw!r} is not a number of steps; set it to a whole "
+                         f"number >= 1, e.g. {ENV_MAX_STEPS}=8, or unset it")
+    return steps

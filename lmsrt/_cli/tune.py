@@ -1,0 +1,247 @@
+"""``lmsrt tune``: find the ``--lms``/``--lms-frac`` settings that train a script fastest.
+
+IBM's LMS tuning guide said: start at ``-lms 1000 -lms_frac 0.0``, raise ``-lms`` as far as it
+goes, then raise ``-lms_frac`` step by step until memory runs out. This does it for the user: each
+trial is the unmodified script under ``lmsrt run`` in a fresh process, stopped after ``--steps``
+steps; the search and the trials live in ``lmsrt.tuning`` (see NOTE [ Tuning search ] there).
+This module parses the options, shows the trials as they go and writes what they found.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+import click
+
+from ..tuning import (AUTO_FRACS, GRID_FRACS, Sweep, Trial, best_trial, pareto_front,
+                      reference_lms, run_command, write_plot, write_results)
+from .._timeline import format_bytes
+from .run import _Number
+
+__all__ = ["command"]
+
+
+class _NumberList(click.ParamType):
+    """Comma-separated numbers, each checked as ``item`` checks one; repeats dropped."""
+
+    name = "list"
+
+    def __init__(self, item: _Number, auto: bool = False):
+        self.item, self.auto = item, auto
+
+    def convert(self, value, param, ctx) -> Optional[Tuple[float, ...]]:
+        if not isinstance(value, str):
+            return value
+        if self.auto and value.strip() == "auto":
+            return None
+        items = [v.strip() for v in value.split(",")]
+        if not all(items):
+            self.fail(f"{value!r} has an empty item; give numbers separated by commas, "
+                      f"{self.item.example}", param, ctx)
+        return tuple(dict.fromkeys(self.item.convert(v, param, ctx) for v in items))
+
+
+class _ParamValues(click.ParamType):
+    """``NAME=V1,V2,...``: a flag of the script and the values to sweep it over."""
+
+    name = "NAME=V1,V2"
+
+    def convert(self, value, param, ctx) -> Tuple[str, Tuple[str, ...]]:
+        if not isinstance(value, str):
+            return value
+        match = re.fullmatch(r"(-{0,2}[A-Za-z0-9][\w.-]*)=(.*)", value.strip())
+        values = [v.strip() for v in match.group(2).split(",")] if match else []
+        if not values or not all(values):
+            self.fail(f"{value!r} is not NAME=V1,V2,...; give a flag of the script and its "
+                      "values, e.g. --param batch-size=8,16,32", param, ctx)
+        return match.group(1), tuple(dict.fromkeys(values))
+
+
+_LMS = _Number(0.0, low_open=True, example="give KB > 0, e.g. --lms 250,1000,4000")
+_FRAC = _Number(0.0, 1.0, example="give fractions of GPU memory, e.g. --lms-frac 0,0.5,0.9 "
+                "(or auto)")
+
+
+@click.command("tune", context_settings=dict(allow_interspersed_args=False))
+@click.option("--lms", "lms_values", type=_NumberList(_LMS), default="250,500,1000,4000",
+              show_default=True, metavar="KB,...", help="The --lms values to try.")
+@click.option("--lms-frac", "fracs", type=_NumberList(_FRAC, auto=True), default="auto",
+              show_default=True, metavar="auto|F,...",
+              help="The --lms-frac values: auto bisects 0, 0.05, ..., 1 (with --grid: 0, 0.1, "
+              "..., 1); a list is bisected, or gridded with --grid.")
+@click.option("--param", "params", type=_ParamValues(), multiple=True, metavar="NAME=V1,V2",
+              help="Also sweep a flag of the script, e.g. batch-size=8,16 (repeatable): each "
+              "trial's script gets --NAME V, replacing the value in its arguments if there.")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, metavar="N",
+              help="Steps per trial; the step time is the median after 2 warm-up steps.")
+@click.option("--gpu-limit", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
+                                          "--gpu-limit 12"),
+              metavar="GIB", help="Cap each trial's GPU memory, as a smaller GPU would.")
+@click.option("--timeout", type=_Number(0.0, low_open=True, example="give seconds, e.g. "
+                                        "--timeout 600"),
+              default="600", show_default=True, metavar="S", help="Seconds before a trial is "
+              "killed (with every process it started).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="lmsrt-tune",
+              show_default=True, metavar="DIR", help="Where results.csv, results.json, tune.png "
+              "and the trials' logs (trials/) go.")
+@click.option("--grid", is_flag=True, help="Run every --lms x --lms-frac pair instead of the "
+              "bisection.")
+@click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
+def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[float, ...]],
+            params: Sequence[Tuple[str, Tuple[str, ...]]], steps: int, gpu_limit: Optional[float],
+            timeout: float, out_dir: str, grid: bool, target_and_args: Sequence[str]) -> None:
+    """Find the LMS settings that train SCRIPT fastest, one lmsrt run per trial.
+
+    Options go before SCRIPT (or before --); everything after it is the script's own. Each
+    trial stops after --steps steps. At the end: a table, results.csv, results.json, a plot of
+    speed against GPU memory, and the lmsrt run command to use.
+
+    \b
+    Examples:
+      lmsrt tune -- train.py --epochs 1
+      lmsrt tune --gpu-limit 12 --param batch-size=8,16,32 -- train.py
+      lmsrt tune --grid --lms 1000,4000 --lms-frac 0,0.4,0.8 --steps 12 train.py
+    """
+    if not target_and_args:
+        raise click.UsageError("no script given; name it after the options, e.g. "
+                               "lmsrt tune --gpu-limit 12 -- train.py --batch-size 8")
+    script, args = target_and_args[0], list(target_and_args[1:])
+    if not os.path.isfile(script):
+        raise click.UsageError(f"script {script!r} does not exist; give the path of a Python "
+                               "file, e.g. lmsrt tune -- train.py")
+    names = [name for name, _ in params]
+    if len(set(names)) != len(names):
+        raise click.UsageError(f"--param names a flag twice ({', '.join(names)}); give each "
+                               "flag once, with all its values: --param NAME=V1,V2,V3")
+    os.makedirs(out_dir, exist_ok=True)
+    sweep = Sweep(script, args, lms_values=lms_values, fracs=fracs, params=params, grid=grid,
+                  steps=steps, gpu_limit=gpu_limit, timeout=timeout, out_dir=out_dir)
+    click.echo(f"lmsrt tune: {_describe(sweep)}; {steps} steps a trial, results in {out_dir}",
+               err=True)
+    view = _LiveView(names)
+
+    def done(trial: Trial) -> None:
+        view.done(trial)
+        write_results(sweep)   # after every trial: the results so far are there to look at
+
+    interrupted = False
+    try:
+        sweep.run(on_start=view.start, on_tick=view.tick, on_done=done)
+    except KeyboardInterrupt:
+        interrupted = True
+        view.clear()
+        click.echo(f"lmsrt tune: interrupted; keeping the {len(sweep.trials)} finished trials "
+                   "(the one running was killed).", err=True)
+    raise SystemExit(_finish(sweep, names, interrupted))
+
+
+def _describe(sweep: Sweep) -> str:
+    lms = ",".join(f"{v:g}" for v in sweep.lms_values)
+    fracs = ",".join(f"{v:g}" for v in sorted(sweep.fracs))
+    if sweep.fracs in (list(AUTO_FRACS), list(GRID_FRACS)):
+        fracs = f"{min(sweep.fracs):g}..{max(sweep.fracs):g}"
+    what = (f"grid of lms {lms} x lms_frac {fracs}" if sweep.grid else
+            f"bisecting lms_frac {fracs} at lms {reference_lms(sweep.lms_values):g}, then lms "
+            f"{lms} near the best")
+    for name, values in sweep.params:
+        what += f", for each {name} in {','.join(values)}"
+    return what
+
+
+def _bytes(n: Optional[int]) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _table(trials: Sequence[Trial], names: List[str], marks: Optional[dict] = None) -> List[str]:
+    """Rows of the trial table, a header first; ``marks`` puts a mark before some trial ids."""
+    head = ["#", *names, "lms", "lms_frac", "status", "steps/s", "GPU peak", "pinned peak",
+            "swapped/step"]
+    widths = [4, *(max(len(n), 6) for n in names), 6, 8, 7, 8, 10, 11, 12]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)) + "  note"]
+    for t in trials:
+        mark = (marks or {}).get(t.id, "")
+        cells = [f"{mark}{t.id}", *(t.params[n] for n in names), f"{t.lms:g}", f"{t.lms_frac:g}",
+                 t.status, "-" if t.steps_per_s is None else f"{t.steps_per_s:.3f}",
+                 _bytes(t.gpu_peak_bytes), _bytes(t.host_peak_bytes), _bytes(t.swapped_bytes)]
+        row = "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+        lines.append(f"{row}  {t.error}".rstrip())
+    return lines
+
+
+class _LiveView:
+    """The trial in flight on one line of stderr (redrawn on a terminal), finished ones as rows
+    of a table on stdout."""
+
+    def __init__(self, names: List[str]):
+        self.names = names
+        self.redraw = sys.stderr.isatty()
+        self.rows = 0
+
+    @staticmethod
+    def _label(t: Trial) -> str:
+        params = "".join(f" {k}={v}" for k, v in t.params.items())
+        return f"trial {t.id}: lms={t.lms:g} lms_frac={t.lms_frac:g}{params}"
+
+    def start(self, trial: Trial) -> None:
+        if self.redraw:
+            self.tick(trial, 0.0)
+        else:
+            click.echo(f"lmsrt tune: {self._label(trial)} ...", err=True)
+
+    def tick(self, trial: Trial, seconds: float) -> None:
+        if self.redraw:
+            click.echo(f"\r\033[K{self._label(trial)}, running {seconds:.0f} s", err=True, nl=False)
+
+    def clear(self) -> None:
+        if self.redraw:
+            click.echo("\r\033[K", err=True, nl=False)
+
+    def done(self, trial: Trial) -> None:
+        self.clear()
+        lines = _table([trial], self.names)
+        click.echo("\n".join(lines if self.rows == 0 else lines[1:]))
+        self.rows += 1
+
+
+def _finish(sweep: Sweep, names: List[str], interrupted: bool) -> int:
+    """Write the outputs, print the ranked table and the recommendation; return the exit status."""
+    paths = write_results(sweep, interrupted)
+    png = os.path.join(sweep.out_dir, "tune.png")
+    why_not = write_plot(sweep, png)
+    if why_not:
+        click.echo(f"lmsrt tune: {why_not}", err=True)
+    written = [paths["csv"], paths["json"], *([] if why_not else [png])]
+    order = [tuple(p.items()) for p in sweep.combinations()]
+    trials = sorted(sweep.trials, key=lambda t: (order.index(tuple(t.params.items())),
+                                                 not t.ranked, -(t.steps_per_s or 0), t.id))
+    best = best_trial(sweep.trials)
+    marks = {i: "*" for i in pareto_front(sweep.trials)}
+    if best:
+        marks[best.id] = ">"
+    if trials:
+        each = f" for each {', '.join(names)}" if names else ""
+        click.echo(f"\n{len(trials)} trials, fastest first{each} (> recommended, * Pareto front: "
+                   "nothing else both faster and smaller):")
+        click.echo("\n".join(_table(trials, names, marks)))
+    click.echo(f"\nwrote {', '.join(written)}")
+    if best is None:
+        click.echo(f"\nNo trial ran {sweep.steps} steps to a step time. Look at the logs in "
+                   f"{sweep.log_dir}; if they ran out of memory, raise --gpu-limit or sweep "
+                   "smaller --param values.")
+        return 130 if interrupted else 1
+    if len(sweep.combinations()) > 1:
+        click.echo("\nFastest for each " + ", ".join(names) + " (steps/s compare settings at one "
+                   "value; across values, weigh the work per step):")
+        for params in sweep.combinations():
+            own = best_trial([t for t in sweep.trials if t.params == params])
+            label = " ".join(f"{k}={v}" for k, v in params.items())
+            click.echo(f"  {label}: " + (f"{own.steps_per_s:.3f} steps/s, "
+                                         f"{_bytes(own.gpu_peak_bytes)}: "
+                                         f"{run_command(own, sweep.script, sweep.gpu_limit)}"
+                                         if own else "nothing fit"))
+    click.echo(f"\nRecommended (trial {best.id}: {best.steps_per_s:.3f} steps/s, "
+               f"{_bytes(best.gpu_peak_bytes)} GPU peak):")
+    click.echo(f"  {run_command(best, sweep.script, sweep.gpu_limit)}")
+    return 130 if interrupted else 0

@@ -1,0 +1,454 @@
+"""The sweep behind ``lmsrt tune``: trials of a script under ``lmsrt run``, and which to run next.
+
+Each trial is one fresh ``python -m lmsrt run --lms L --lms-frac F --stats FILE SCRIPT ARGS``
+process, in a session (process group) of its own, so that an out-of-memory error, a fragmented
+allocator or a stray data-loader worker never reaches the next trial. ``LMSRT_MAX_STEPS`` ends it
+after ``steps`` steps (see ``lmsrt._launch``); its stats file gives the median step time after
+warm-up, the GPU and pinned host peaks and the bytes swapped per step.
+
+Example::
+
+    sweep = Sweep("train.py", ["--epochs", "1"], lms_values=(1000,), fracs=None,
+                  params=[("batch-size", ("8", "16"))], steps=8, out_dir="lmsrt-tune")
+    sweep.run()
+    best = best_trial(sweep.trials)
+    print(run_command(best, "train.py"))
+
+NOTE [ Tuning search ]
+Out of memory is monotone in ``lms_frac``: a higher fraction keeps more on the GPU. So the default
+search bisects the fractions (0, 0.05, ..., 1, or the values given) at one ``lms`` (1000 if listed,
+else the first value listed) for the largest that does not run out of memory: about 5 trials
+instead of 21. Then it tries every ``lms`` value at that fraction and at the one below it, which
+leaves headroom for allocator slack and cuDNN workspaces and is sometimes faster. When even the
+lowest fraction runs out of memory, every ``lms`` is tried there: a smaller one swaps more. A
+crash or a timeout during the bisection ends the search for that parameter value: it says nothing
+about memory, and more trials would fail the same way. The grid search runs every fraction at
+every ``lms``, lowest fraction first, and skips the fractions above one that ran out of memory
+(they would too).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple
+
+__all__ = ["Trial", "Sweep", "AUTO_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
+           "grid_search", "classify", "with_param", "pareto_front", "best_trial", "run_command",
+           "write_results", "write_plot"]
+
+AUTO_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
+GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))    # --grid without a list: 0, 0.1, ..., 1
+REFERENCE_LMS = 1000.0
+TIE = 0.01   # step rates within 1% are timing noise: the trial with less GPU memory wins
+
+GiB = float(2**30)
+_OOM = re.compile(r"out of (GPU )?memory|OutOfMemoryError", re.IGNORECASE)
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
+# `lmsrt run` prints the LMS summary (``stats.format_summary``) after the script's traceback.
+_SUMMARY_START = "lmsrt  lms="
+_TAIL_BYTES = 64 << 10
+_LOG_NAME = re.compile(r"^\d{3,}\.(out|err|stats\.json)$")   # trials/001.out, 001.stats.json, ...
+
+# A search yields the (lms, lms_frac) to try next and is sent the finished trial.
+Search = Generator[Tuple[float, float], "Trial", None]
+
+
+@dataclasses.dataclass
+class Trial:
+    """One run of the script: its settings and what came of it.
+
+    ``status`` is ``ok`` (the script ended with status 0, or was ended after ``steps`` steps),
+    ``oom``, ``crash`` or ``timeout``; ``error`` is the line that says why, or a note on an ok one.
+    """
+
+    id: int
+    lms: float
+    lms_frac: float
+    params: Dict[str, str]
+    args: List[str]
+    status: str = "ok"
+    error: str = ""
+    returncode: Optional[int] = None
+    wall_s: float = 0.0
+    steps: Optional[int] = None
+    step_time_s: Optional[float] = None
+    steps_per_s: Optional[float] = None
+    gpu_peak_bytes: Optional[int] = None
+    host_peak_bytes: Optional[int] = None
+    swapped_bytes: Optional[int] = None
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the trial competes for the recommendation: it ran, and was timed."""
+        return self.status == "ok" and self.steps_per_s is not None
+
+
+def reference_lms(lms_values: Sequence[float]) -> float:
+    """The ``lms`` the bisection runs at: 1000 if listed, else the first value listed."""
+    return REFERENCE_LMS if REFERENCE_LMS in lms_values else lms_values[0]
+
+
+def bisect_search(lms_values: Sequence[float], fracs: Sequence[float]) -> Search:
+    """Bisect ``fracs`` at one ``lms``, then try every ``lms`` near the best fraction.
+
+    See NOTE [ Tuning search ]. Example::
+
+        search = bisect_search([250, 1000], AUTO_FRACS)
+        lms, frac = next(search)          # (1000, 0.5)
+        lms, frac = search.send(trial)    # the next one, given how that trial ended
+    """
+    fracs = sorted(set(fracs))
+    reference = reference_lms(lms_values)
+    tried = set()
+    fits, too_much = -1, len(fracs)    # indices: the highest that fit, the lowest that did not
+    while too_much - fits > 1:
+        middle = (fits + too_much) // 2
+        trial = yield reference, fracs[middle]
+        tried.add((reference, fracs[middle]))
+        if trial.status == "ok":
+            fits = middle
+        elif trial.status == "oom":
+            too_much = middle
+        else:
+            return
+    best = max(fits, 0)
+    for index in (best, best - 1):
+        for lms in lms_values:
+            if index >= 0 and (lms, fracs[index]) not in tried:
+                tried.add((lms, fracs[index]))
+                yield lms, fracs[index]
+
+
+def grid_search(lms_values: Sequence[float], fracs: Sequence[float]) -> Search:
+    """Every fraction at every ``lms``, lowest fraction first, skipping fractions above an OOM."""
+    for lms in lms_values:
+        for frac in sorted(set(fracs)):
+            trial = yield lms, frac
+            if trial.status == "oom":
+                break
+
+
+def with_param(args: Sequence[str], name: str, value: str) -> List[str]:
+    """``args`` with the script flag ``name`` set to ``value``: replaced where it is, else added.
+
+    Example::
+
+        with_param(["--batch-size", "4", "--lr", "0.1"], "batch-size", "8")
+        # ['--batch-size', '8', '--lr', '0.1']
+    """
+    flag = name if name.startswith("-") else f"--{name}"
+    out: List[str] = []
+    found = False
+    i = 0
+    while i < len(args):
+        if args[i] == flag and i + 1 < len(args):    # --flag VALUE
+            out += [flag, value]
+            i += 2
+            found = True
+        elif args[i].startswith(f"{flag}="):          # --flag=VALUE
+            out.append(f"{flag}={value}")
+            i += 1
+            found = True
+        else:
+            out.append(args[i])
+            i += 1
+    return out if found else [*out, flag, value]
+
+
+def _settings(lms: float, frac: float, gpu_limit: Optional[float]) -> List[str]:
+    limit = ["--gpu-limit", f"{gpu_limit:g}"] if gpu_limit is not None else []
+    return ["--lms", f"{lms:g}", "--lms-frac", f"{frac:g}", *limit]
+
+
+def run_command(trial: Trial, script: str, gpu_limit: Optional[float] = None) -> str:
+    """The ``lmsrt run`` command line that trains as ``trial`` ran (without the step limit)."""
+    return shlex.join(["lmsrt", "run", *_settings(trial.lms, trial.lms_frac, gpu_limit), script,
+                       *trial.args])
+
+
+def _tail(path: str) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - _TAIL_BYTES))
+        return f.read().decode(errors="replace")
+
+
+def classify(returncode: int, stdout: str, stderr: str) -> Tuple[str, str]:
+    """``(status, error line)`` of a trial that ended by itself, from its exit status and output.
+
+    Out of memory is recognized in stderr or stdout (a script may catch the error and say so).
+
+    Example::
+
+        classify(1, "", "torch.OutOfMemoryError: CUDA out of memory. Tried ...")
+        # ('oom', 'torch.OutOfMemoryError: CUDA out of memory. Tried ...')
+    """
+    if returncode == 0:
+        return "ok", ""
+    for text in (stderr, stdout):
+        hits = [line.strip() for line in text.splitlines() if _OOM.search(line)]
+        if hits:
+            return "oom", hits[-1]
+    if returncode < 0:
+        return "crash", f"killed by {signal.Signals(-returncode).name}"
+    lines = stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(_SUMMARY_START)]
+    lines = lines[:starts[-1]] if starts else lines
+    errors = [line.strip() for line in lines if _EXCEPTION.match(line)]
+    rest = [line.strip() for line in lines + stdout.splitlines() if line.strip()]
+    return "crash", (errors or rest or [f"exit status {returncode}"])[-1]
+
+
+def _read_stats(trial: Trial, path: str, steps: int) -> None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        trial.error = "no stats file: the script ended in a way lmsrt run could not see"
+        return
+    total, last = data["total"], data["last_step"]
+    trial.steps = total["steps"]
+    trial.step_time_s = data["step_time_median_s"]
+    trial.steps_per_s = 1.0 / trial.step_time_s if trial.step_time_s else None
+    trial.gpu_peak_bytes = total["gpu_peak_bytes"]
+    trial.host_peak_bytes = total["host_peak_bytes"]
+    trial.swapped_bytes = last["out_bytes"]
+    if not data["enabled"]:
+        trial.error = "LMS was off: no GPU (LMSRT_DEVICE=sim simulates one)"
+    elif trial.step_time_s is None:
+        trial.error = "fewer than 2 steps, so no step time: let the script run more steps"
+    elif trial.steps < steps:
+        trial.error = f"the script ended by itself after {trial.steps} of {steps} steps"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        # The whole group: torchrun's workers and data-loader workers hold GPU memory too.
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class Sweep:
+    """The trials of one ``lmsrt tune``: for each parameter combination, one search.
+
+    ``fracs`` None means the default: ``AUTO_FRACS`` bisected, or ``GRID_FRACS`` with ``grid``.
+    ``trials`` holds the finished ones, also after an interrupt. Example at the top of the module.
+    """
+
+    def __init__(self, script: str, args: Sequence[str], *, lms_values: Sequence[float],
+                 fracs: Optional[Sequence[float]] = None,
+                 params: Sequence[Tuple[str, Sequence[str]]] = (), grid: bool = False,
+                 steps: int = 8, gpu_limit: Optional[float] = None, timeout: float = 600.0,
+                 out_dir: str = "lmsrt-tune"):
+        self.script, self.args = script, list(args)
+        self.lms_values = list(lms_values)
+        self.fracs = list(fracs) if fracs else list(GRID_FRACS if grid else AUTO_FRACS)
+        self.params = [(name, list(values)) for name, values in params]
+        self.grid, self.steps, self.gpu_limit, self.timeout = grid, steps, gpu_limit, timeout
+        self.out_dir = out_dir
+        self.log_dir = os.path.join(out_dir, "trials")
+        self.trials: List[Trial] = []
+
+    def combinations(self) -> List[Dict[str, str]]:
+        """Every combination of the ``--param`` values, in the order given."""
+        names = [name for name, _ in self.params]
+        return [dict(zip(names, values))
+                for values in itertools.product(*(values for _, values in self.params))]
+
+    def run(self, on_start: Callable[[Trial], None] = lambda t: None,
+            on_tick: Callable[[Trial, float], None] = lambda t, s: None,
+            on_done: Callable[[Trial], None] = lambda t: None) -> List[Trial]:
+        """Run every search to its end; ``on_tick`` gets the seconds a running trial has taken."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        # An earlier sweep's logs would mislead; only files of lmsrt's naming go.
+        for name in os.listdir(self.log_dir):
+            if _LOG_NAME.match(name):
+                os.remove(os.path.join(self.log_dir, name))
+        for params in self.combinations():
+            args = self.args
+            for name, value in params.items():
+                args = with_param(args, name, value)
+            make = grid_search if self.grid else bisect_search
+            search = make(self.lms_values, self.fracs)
+            finished: Optional[Trial] = None
+            while True:
+                try:
+                    lms, frac = search.send(finished)
+                except StopIteration:
+                    break
+                trial = Trial(len(self.trials) + 1, lms, frac, params, args)
+                on_start(trial)
+                self._run_trial(trial, lambda seconds: on_tick(trial, seconds))
+                self.trials.append(trial)
+                on_done(trial)
+                finished = trial
+        return self.trials
+
+    def _run_trial(self, trial: Trial, tick: Callable[[float], None]) -> None:
+        base = os.path.join(self.log_dir, f"{trial.id:03d}")
+        stats = f"{base}.stats.json"
+        command = [sys.executable, "-m", "lmsrt", "run",
+                   *_settings(trial.lms, trial.lms_frac, self.gpu_limit), "--stats", stats,
+                   self.script, *trial.args]
+        # The settings go in the environment too, so the script can tell which trial it is in;
+        # unbuffered, so the log of a trial killed at the timeout holds all it printed.
+        env = dict(os.environ, LMSRT_MAX_STEPS=str(self.steps), LMSRT_LMS=f"{trial.lms:g}",
+                   LMSRT_LMS_FRAC=f"{trial.lms_frac:g}", PYTHONUNBUFFERED="1")
+        start = time.monotonic()
+        timed_out = False
+        with open(f"{base}.out", "wb") as out, open(f"{base}.err", "wb") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    env=env, start_new_session=True)
+            try:
+                while True:
+                    try:
+                        proc.wait(timeout=0.25)
+                        break
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() - start >= self.timeout:
+                            timed_out = True
+                            break
+                        tick(time.monotonic() - start)
+            finally:   # also on Ctrl-C: no trial outlives the sweep
+                _kill_group(proc)
+        trial.wall_s = time.monotonic() - start
+        trial.returncode = proc.returncode
+        if timed_out:
+            trial.status, trial.error = "timeout", f"no end within --timeout {self.timeout:g} s"
+            return
+        trial.status, trial.error = classify(proc.returncode, _tail(f"{base}.out"),
+                                             _tail(f"{base}.err"))
+        if trial.status == "ok":
+            _read_stats(trial, stats, self.steps)
+
+
+def pareto_front(trials: Sequence[Trial]) -> List[int]:
+    """Ids of the timed trials that no other trial of the same parameters beats in both speed and
+    GPU memory."""
+    ranked = [t for t in trials if t.ranked]
+
+    def beats(a: Trial, b: Trial) -> bool:
+        return (a.params == b.params and a.steps_per_s >= b.steps_per_s
+                and a.gpu_peak_bytes <= b.gpu_peak_bytes
+                and (a.steps_per_s > b.steps_per_s or a.gpu_peak_bytes < b.gpu_peak_bytes))
+
+    return [t.id for t in ranked if not any(beats(o, t) for o in ranked)]
+
+
+def best_trial(trials: Sequence[Trial]) -> Optional[Trial]:
+    """The fastest timed trial; among those within 1% of it (noise), the one with least memory."""
+    ranked = [t for t in trials if t.ranked]
+    if not ranked:
+        return None
+    fastest = max(t.steps_per_s for t in ranked)
+    close = [t for t in ranked if t.steps_per_s >= fastest * (1 - TIE)]
+    return min(close, key=lambda t: (t.gpu_peak_bytes, -t.steps_per_s, t.id))
+
+
+def _best_per_params(sweep: Sweep) -> List[Trial]:
+    bests = (best_trial([t for t in sweep.trials if t.params == p]) for p in sweep.combinations())
+    return [t for t in bests if t is not None]
+
+
+def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
+    """Write ``results.json`` and ``results.csv`` into ``sweep.out_dir``; return their paths."""
+    front = set(pareto_front(sweep.trials))
+    best = best_trial(sweep.trials)
+
+    def command(t: Optional[Trial]) -> Optional[str]:
+        return run_command(t, sweep.script, sweep.gpu_limit) if t else None
+
+    data = {
+        "script": sweep.script, "args": sweep.args, "steps": sweep.steps,
+        "gpu_limit_gib": sweep.gpu_limit, "timeout_s": sweep.timeout,
+        "search": "grid" if sweep.grid else "bisect", "lms": sweep.lms_values,
+        "lms_frac": sweep.fracs, "params": dict(sweep.params), "interrupted": interrupted,
+        "recommended": best and {"id": best.id, "command": command(best)},
+        "best_per_params": [{"params": t.params, "id": t.id, "command": command(t)}
+                            for t in _best_per_params(sweep)],
+        "pareto": sorted(front),
+        "trials": [dataclasses.asdict(t) | {"command": command(t)} for t in sweep.trials],
+    }
+    paths = {"json": os.path.join(sweep.out_dir, "results.json"),
+             "csv": os.path.join(sweep.out_dir, "results.csv")}
+    _replace(paths["json"], lambda f: json.dump(data, f, indent=1))
+
+    names = [name for name, _ in sweep.params]
+
+    def rows(f) -> None:
+        w = csv.writer(f)
+        w.writerow(["id", *names, "lms", "lms_frac", "status", "steps_per_s", "step_time_s",
+                    "gpu_peak_bytes", "host_peak_bytes", "swapped_bytes", "steps", "wall_s",
+                    "pareto", "recommended", "error", "command"])
+        for t in sweep.trials:
+            numbers = (t.steps_per_s and f"{t.steps_per_s:.4f}",
+                       t.step_time_s and f"{t.step_time_s:.5f}", t.gpu_peak_bytes,
+                       t.host_peak_bytes, t.swapped_bytes, t.steps)
+            w.writerow([t.id, *(t.params[n] for n in names), f"{t.lms:g}", f"{t.lms_frac:g}",
+                        t.status, *("" if n is None else n for n in numbers), f"{t.wall_s:.1f}",
+                        int(t.id in front), int(best is not None and t.id == best.id), t.error,
+                        command(t)])
+
+    _replace(paths["csv"], rows, newline="")
+    return paths
+
+
+def _replace(path: str, write: Callable, newline: Optional[str] = None) -> None:
+    """Write through a temporary file, so that a reader (or a Ctrl-C) never leaves half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline=newline) as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def write_plot(sweep: Sweep, path: str) -> Optional[str]:
+    """Steps/s against peak GPU memory, the Pareto front joined, the recommendation starred.
+
+    Returns None when written, else why not (no matplotlib, or nothing timed).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "matplotlib is not installed, so no plot: pip install matplotlib"
+    ranked = [t for t in sweep.trials if t.ranked]
+    if not ranked:
+        return "no trial was timed, so no plot"
+    front, best = set(pareto_front(ranked)), best_trial(ranked)
+    unit, scale = ("GiB", GiB) if max(t.gpu_peak_bytes for t in ranked) >= GiB else ("MiB", 2**20)
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for params in sweep.combinations():
+        group = [t for t in ranked if t.params == params]
+        if not group:
+            continue
+        label = ", ".join(f"{k}={v}" for k, v in params.items()) or "trials"
+        dots = ax.scatter([t.gpu_peak_bytes / scale for t in group],
+                          [t.steps_per_s for t in group], label=label, zorder=3)
+        edge = sorted((t for t in group if t.id in front), key=lambda t: t.gpu_peak_bytes)
+        ax.plot([t.gpu_peak_bytes / scale for t in edge], [t.steps_per_s for t in edge], "--",
+                marker="o", markersize=11, markerfacecolor="none",
+                color=dots.get_facecolor()[0], label=f"{label}: Pareto front")
+        for t in group:
+            ax.annotate(f"{t.lms:g}/{t.lms_frac:g}", (t.gpu_peak_bytes / scale, t.steps_per_s),
+                        fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
+               facecolors="none", edgecolors="black", label="recommended", zorder=4)
+    ax.set_xlabel(f"peak GPU memory ({unit})")
+    ax.set_ylabel("steps/s")
+    ax.set_title(f"lmsrt tune: {os.path.basename(sweep.script)} (labels: lms/lms_frac)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, bbox_inches="tight")
+    return None
