@@ -54,6 +54,54 @@ def measure(device, lms_kb: float, frac: float, n: int, numel: int, rounds: int)
             "skipped": step["skipped_tensors"]}
 
 
+def primitives(n: int, numel: int) -> dict:
+    """CPU time per call of each CUDA operation a swapped tensor's pack and unpack make."""
+    dev = torch.device("cuda")
+    src = [torch.randn(numel, device=dev) for _ in range(n)]
+    host = torch.empty(n * numel * 4, dtype=torch.uint8, pin_memory=True)
+    dst = [host[i * numel * 4:(i + 1) * numel * 4] for i in range(n)]
+    compute, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    from lmsrt.device import CudaDevice
+    engine_device = CudaDevice()
+    on_side = engine_device.stream(side)
+    events = [torch.cuda.Event() for _ in range(n)]
+    storages = [t.untyped_storage() for t in src]
+
+    def each(fn, items):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for item in items:
+            fn(item)
+        return (time.perf_counter() - t0) / len(items) * 1e6
+
+    def copy_on_side(i):
+        with on_side:
+            dst[i].copy_(src[i].view(torch.uint8), non_blocking=True)
+
+    row = {
+        "Event()": each(lambda i: torch.cuda.Event(), range(n)),
+        "Event().record (first)": each(lambda i: torch.cuda.Event().record(compute), range(n)),
+        "event.record (again)": each(lambda i: events[i].record(compute), range(n)),
+        "stream.wait_event": each(lambda i: side.wait_event(events[i]), range(n)),
+        "event.query": each(lambda i: events[i].query(), range(n)),
+        "stream switch there and back": each(lambda i: on_side.__enter__() or on_side.__exit__(),
+                                             range(n)),
+        "copy_ D2H (non_blocking)": each(lambda i: dst[i].copy_(src[i].view(torch.uint8),
+                                                                non_blocking=True), range(n)),
+        "copy_ D2H on side stream": each(copy_on_side, range(n)),
+        "copy_ H2D (non_blocking)": each(lambda i: src[i].view(torch.uint8).copy_(
+            dst[i], non_blocking=True), range(n)),
+        "empty(0).set_(storage)": each(lambda i: torch.empty(0, dtype=torch.uint8, device=dev)
+                                       .set_(storages[i]), range(n)),
+        "empty(nbytes) on GPU": each(lambda i: torch.empty(numel * 4, dtype=torch.uint8,
+                                                           device=dev), range(n)),
+        "memory stats read": each(lambda i: engine_device.memory_allocated(), range(n)),
+        "current_stream()": each(lambda i: torch.cuda.current_stream(), range(n)),
+    }
+    torch.cuda.synchronize()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=2048)
@@ -62,6 +110,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "sim")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--profile", action="store_true", help="also print where the swapped path spends")
+    ap.add_argument("--primitives", action="store_true",
+                    help="also time each CUDA call the swapped path makes (CUDA only)")
     args = ap.parse_args()
     numel = int(args.kb * 1024 // 4)
     cases = {"too small (kept as is)": (args.kb * 2, 0.0), "eligible, kept": (1, 1.0),
@@ -80,10 +130,15 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.runcall(measure, args.device, 1, 0.0, args.tensors, numel, 2)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    result = {"device": args.device, "tensors": args.tensors, "kb": args.kb, "rows": rows}
+    if args.primitives and args.device == "cuda":
+        result["primitives_us"] = primitives(args.tensors, numel)
+        print("CPU time per call of what the swapped path calls:")
+        for name, us in result["primitives_us"].items():
+            print(f"  {name:32} {us:6.2f} us")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "pack_overhead.json"), "w") as f:
-        json.dump({"device": args.device, "tensors": args.tensors, "kb": args.kb, "rows": rows}, f,
-                  indent=1)
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -124,9 +124,14 @@ for step in range(args.steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.item()       # waits for the GPU, so the step time is the GPU's
-    except torch.cuda.OutOfMemoryError:
-        print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000 --lms-frac 0.7, or "
-              "lmsrt run --lms 1000 --lms-frac 0.7 examples/train_gpt.py ...")
+    except torch.cuda.OutOfMemoryError as e:
+        if lms is not None or os.environ.get("LMSRT_ACTIVE"):
+            print(f"step {step}: out of GPU memory with LMS on. Lower --lms-frac (swap from "
+                  "lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
+                  f"{e}")
+        else:
+            print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000 --lms-frac 0.7, or "
+                  "lmsrt run --lms 1000 --lms-frac 0.7 examples/train_gpt.py ...")
         sys.exit(1)
     times.append(time.perf_counter() - t0)
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "n/a (CPU)"

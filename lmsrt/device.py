@@ -10,6 +10,7 @@ the release logic are exercised exactly as on a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Optional
@@ -46,6 +47,39 @@ class _OnStream:
 _RAW_STREAMS = hasattr(torch._C, "_cuda_getCurrentStream") and hasattr(torch._C, "_cuda_setStream")
 
 
+def _allocated_peak(index: int) -> int:
+    return torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]["peak"]
+
+
+# Peaks that a script's own torch.cuda.reset_peak_memory_stats() cleared since lmsrt last reset
+# the counter, per device index. CUDA keeps one peak counter per device, and training loops often
+# reset it to print a per-step peak: without this, lmsrt's step peak (and `lmsrt tune`'s GPU
+# column) would cover only what follows the script's reset.
+_cleared_peaks: dict = {}
+_torch_reset_peak = None
+
+
+def _keep_peaks_across_resets() -> None:
+    """Wrap torch.cuda.reset_peak_memory_stats (once per process) so that it first folds the peak
+    it is about to clear into ``_cleared_peaks``; it then resets as before."""
+    global _torch_reset_peak
+    if _torch_reset_peak is not None:
+        return
+    _torch_reset_peak = original = torch.cuda.memory.reset_peak_memory_stats
+
+    @functools.wraps(original)
+    def reset_peak_memory_stats(device=None):
+        try:
+            index = torch.cuda._utils._get_device_index(device, optional=True)
+            _cleared_peaks[index] = max(_cleared_peaks.get(index, 0), _allocated_peak(index))
+        except Exception:       # noqa: BLE001 - never let bookkeeping break the script's call
+            pass
+        return original(device)
+
+    torch.cuda.memory.reset_peak_memory_stats = reset_peak_memory_stats   # reset_max_... too
+    torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
+
+
 class CudaDevice:
     """One CUDA device, as the swap engine sees it."""
 
@@ -55,6 +89,7 @@ class CudaDevice:
         self.index = torch.cuda.current_device() if index is None else index
         self.torch_device = torch.device("cuda", self.index)
         self.name = torch.cuda.get_device_name(self.index)
+        _keep_peaks_across_resets()
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.is_cuda and t.get_device() == self.index
@@ -78,10 +113,13 @@ class CudaDevice:
         return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["current"]
 
     def peak_allocated(self) -> int:
-        return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["peak"]
+        """Peak allocated bytes since the last ``reset_peak``, even if the script reset torch's
+        counter in between."""
+        return max(_allocated_peak(self.index), _cleared_peaks.get(self.index, 0))
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.index)
+        _torch_reset_peak(self.index)
+        _cleared_peaks.pop(self.index, None)
 
     def memory_limit(self) -> int:
         """The bytes this process may allocate: the device total, times the per-process cap."""

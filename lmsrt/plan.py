@@ -7,9 +7,13 @@ them last, so their copies have the whole rest of forward to go out and most of 
 back. It offloads only ``target`` bytes, and the target follows the measured peak:
 
 - after a reactive step, ``target`` = the bytes that step swapped;
-- after a planned step, it grows by what the mark rule had to swap beyond the plan and by how far
-  GPU use at the end of forward (net of copies still in flight) stood over the mark, and shrinks
-  by half the unused room when it stood well under.
+- after a planned step, it grows by how far GPU use at the end of forward (net of copies still in
+  flight) would have stood over the mark without what the mark rule swapped beyond the plan, and
+  shrinks by half the unused room when it stood well under with nothing swapped beyond the plan.
+
+Growing by all the bytes swapped beyond the plan would ratchet: a transient inside forward (a
+vocabulary-sized logits tensor, say) makes the mark rule swap a little every step whatever the
+plan offloads, and the target would grow by that much each step until everything is offloaded.
 
 The signal is use at the end of forward, not the step's peak: the plan controls what is resident
 when backward starts, while a peak inside backward (gradients, workspaces, the one storage always
@@ -63,7 +67,7 @@ class OffloadPlan:
     def finish_step(self, forward_end_use: int, swapped: int, beyond_plan: int, mark: int) -> None:
         """Update the target from the step just finished and start recording the next one."""
         if self.followed:
-            target = self.target + beyond_plan + max(0, forward_end_use - mark)
+            target = self.target + max(0, forward_end_use + beyond_plan - mark)
             room = mark * (1 - _SLACK) - forward_end_use
             if beyond_plan == 0 and room > 0:
                 target -= room / 2

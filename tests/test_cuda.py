@@ -92,3 +92,25 @@ def test_no_leak_over_20_steps():
         assert torch.cuda.memory_allocated() == gpu0
         assert lms._engine.host.used_bytes == host0 == 0
         assert lms._engine.host.pinned_bytes == pinned0
+
+
+def test_step_peak_survives_the_scripts_own_peak_reset():
+    """A training loop that resets torch's peak counter (to print its own per-step peak) must not
+    hide the step's peak from lmsrt's stats: the reset after a large backward is folded in."""
+    torch.manual_seed(0)
+    model = transformer(d=256, layers=2).cuda()
+    x = torch.randn(8, 256, 256, device="cuda")
+    lms = make_lms("cuda", lms_frac=1.0)            # no swapping: only the counters matter
+    for _ in range(2):
+        with lms:
+            loss = model(x).float().square().mean()
+        loss.backward()
+        big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")   # 256 MiB, then freed
+        del big
+        torch.cuda.reset_peak_memory_stats()        # what the script does after printing
+    with lms:                                       # step 3 starts: step 2 is finished
+        model(x).float().square().mean()
+    history = lms.stats()["history"]
+    assert history[-1]["gpu_peak_bytes"] >= 256 << 20, history[-1]
+    assert torch.cuda.max_memory_allocated() < history[-1]["gpu_peak_bytes"]   # torch's was reset
+    lms.close()

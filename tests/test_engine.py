@@ -314,3 +314,29 @@ def test_one_with_block_with_changing_depth_prefetches_each_step():
             assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model[:depth].parameters()))
     for step in lms.stats()["history"][1:] + [lms.stats()["last_step"]]:
         assert step["prefetch_misses"] <= 1, step
+
+
+def test_plan_target_does_not_ratchet_on_a_transient_it_cannot_remove():
+    """A planned step in which the mark rule swaps a little beyond the plan while forward still
+    ends under the mark (a transient inside forward): the target must settle, not grow by those
+    bytes every step until everything is offloaded."""
+    from lmsrt.plan import OffloadPlan
+
+    plan = OffloadPlan()
+    sizes = [100] * 50
+    mark = 3000
+    for step in range(12):
+        for i, n in enumerate(sizes):
+            plan.offload(i, n)
+        if step == 0:
+            plan.finish_step(forward_end_use=2500, swapped=1500, beyond_plan=0, mark=mark)
+        else:
+            plan.finish_step(forward_end_use=2700, swapped=plan.target + 200, beyond_plan=200,
+                             mark=mark)
+    assert plan.target == 1500, plan.target
+
+    # Over the mark at the end of forward, beyond-plan swaps included: grow by the excess only.
+    for i, n in enumerate(sizes):
+        plan.offload(i, n)
+    plan.finish_step(forward_end_use=2950, swapped=1700, beyond_plan=200, mark=mark)
+    assert plan.target == 1650, plan.target

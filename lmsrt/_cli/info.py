@@ -98,6 +98,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     import torch
 
     from .. import __version__, arena
+    from .._launch import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
     from ..config import ENV_VARS
 
     cuda = torch.cuda.is_available()
@@ -114,7 +115,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
         "native_allocator": arena.NATIVE,
         "allocator": arena.native_status(),
         "settings": {k: v for k, v in os.environ.items()
-                     if k in ENV_VARS or k in ("LMSRT_GPU_LIMIT_GB", "LMSRT_STATS")},
+                     if k in ENV_VARS or k in (ENV_GPU_LIMIT, ENV_STATS, ENV_MAX_STEPS)},
         "bandwidth": None,
     }
     if bandwidth:
