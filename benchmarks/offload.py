@@ -221,7 +221,7 @@ def main() -> None:
                     help="lmsrt: the highest lms_frac that fits, or the fastest of the whole grid "
                          "(convolutions can need free memory for fast cuDNN algorithms)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=6, help="steps before timing (the plan settles)")
+    ap.add_argument("--warmup", type=int, default=8, help="steps before timing (the plan settles)")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--child", help=argparse.SUPPRESS)

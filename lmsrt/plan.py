@@ -1,12 +1,14 @@
 """Record a step's sequence of saved storages, and plan which of them later steps offload.
 
-Step 1 is reactive: storages are swapped once GPU use passes the mark (less 1/8, to leave its
-backward room), so the *latest* ones go out, which backward needs first. From the step after, if the sequence of saved storages repeats
-(same sizes in the same order), the plan offloads the *earliest* ones instead: backward needs
-them last, so their copies have the whole rest of forward to go out and most of backward to come
-back. It offloads only ``target`` bytes, and the target follows the measured peak:
+Step 1 swaps every eligible storage (SwapEngine._swap_mark says why); a later step whose
+sequence changed is reactive: storages are swapped once GPU use passes the mark (less 1/8, to
+leave its backward room), so the *latest* ones go out, which backward needs first. From the step
+after, if the sequence of saved storages repeats (same sizes in the same order), the plan
+offloads the *earliest* ones instead: backward needs them last, so their copies have the whole
+rest of forward to go out and most of backward to come back. It offloads only ``target`` bytes,
+and the target follows the measured peak:
 
-- after a reactive step, ``target`` = the bytes that step swapped;
+- after an unplanned step, ``target`` = the bytes that step swapped;
 - after a planned step, it grows by how far GPU use at the end of forward (net of copies still in
   flight) would have stood over the mark without what the mark rule swapped beyond the plan, and
   shrinks by half the unused room when it stood well under with nothing swapped beyond the plan.

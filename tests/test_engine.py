@@ -121,9 +121,11 @@ def _saved_sequence_model():
 
 
 @pytest.mark.parametrize("copy_lag", [0, 3])
-def test_reactive_first_step_then_plan_offloads_earliest(copy_lag):
-    """Step 1 swaps once use passes the mark (latest tensors); later steps swap the earliest.
-    With copies lagging forward (copy_lag), sources still in flight must not count as demand."""
+def test_first_step_swaps_all_then_plan_offloads_earliest(copy_lag):
+    """Step 1 swaps every eligible storage (algorithms picked in it see the most free memory);
+    later steps swap a prefix, the earliest storages, and give back room until GPU use at the
+    end of forward sits under the mark. With copies lagging forward (copy_lag), sources still in
+    flight must not count as demand."""
     model = _saved_sequence_model()
     x = torch.randn(256, 128)
     act = 256 * 128 * 4                       # bytes of one activation
@@ -141,18 +143,31 @@ def test_reactive_first_step_then_plan_offloads_earliest(copy_lag):
     engine._swap_out = spy
     ref = train_step(model, x)
     history = []
-    for _ in range(4):
+    for _ in range(8):
         order.clear()
         assert_same(ref, train_step(model, x, lms=lms))
         history.append((lms.stats()["last_step"]["mode"], list(order)))
     mode1, first = history[0]
-    assert mode1 == "reactive" and first and min(first) > 0, history
+    assert mode1 == "reactive" and first == list(range(engine._index)), history
     for mode, swapped in history[1:]:
         assert mode == "plan", history
         assert swapped == list(range(len(swapped))), f"plan must swap a prefix: {history}"
-    # The plan moves no more than the reactive step needed, plus at most one activation.
-    assert len(history[-1][1]) <= len(first) + 1
-    assert max(s["gpu_peak_bytes"] for s in lms.stats()["history"][1:]) <= lms._engine.mark + act
+    counts = [len(swapped) for _, swapped in history]
+    assert counts == sorted(counts, reverse=True) and counts[-1] < counts[0], history
+    steps = lms.stats()["history"]
+    assert steps[-1]["forward_end_bytes"] <= engine.mark, steps[-1]
+    assert max(s["gpu_peak_bytes"] for s in steps[1:]) <= engine.mark + act
+
+
+def test_a_model_under_the_mark_stops_swapping_after_the_first_steps():
+    model = _saved_sequence_model()
+    x = torch.randn(256, 128)
+    lms = make_lms("sim", capacity=64 * 256 * 128 * 4, lms_frac=0.5)   # needs 9 of 32
+    for _ in range(5):
+        assert_same(train_step(model, x), train_step(model, x, lms=lms))
+    out = [s["out_tensors"] for s in lms.stats()["history"]] + [
+        lms.stats()["last_step"]["out_tensors"]]
+    assert out[0] > 0 and out[-2:] == [0, 0], out
 
 
 def test_changed_sequence_falls_back_to_reactive():
