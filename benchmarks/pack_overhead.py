@@ -5,6 +5,8 @@
 
 Three paths: a tensor too small to swap (returned as is), an eligible tensor kept on the GPU
 (lms_frac=1, mark at the whole GPU), and a swapped one (lms_frac=0: D2H at pack, H2D at unpack).
+On CUDA with the C++ copy path built (`lmsrt build`), each runs twice, side by side: with the
+copy calls made through torch's Python bindings, and through csrc/copy_path.cpp.
 Each saved tensor has its own storage; the hooks are called directly, as autograd would, so the
 figures are the hooks' own bookkeeping plus the copy launches, not kernel time. Prints a table and
 writes pack_overhead.json.
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lmsrt  # noqa: E402
+import lmsrt.copy_path  # noqa: E402
 
 
 def measure(device, lms_kb: float, frac: float, n: int, numel: int, rounds: int) -> dict:
@@ -116,13 +119,21 @@ def main() -> None:
     numel = int(args.kb * 1024 // 4)
     cases = {"too small (kept as is)": (args.kb * 2, 0.0), "eligible, kept": (1, 1.0),
              "swapped": (1, 0.0)}
-    rows = {name: measure(args.device, kb, frac, args.tensors, numel, args.rounds)
-            for name, (kb, frac) in cases.items()}
+    paths = ["python"]
+    if args.device == "cuda" and lmsrt.copy_path.load() is not None:
+        paths.append("C++")
+    rows = {}
+    for path in paths:
+        lmsrt.copy_path.set_enabled(path != "python")
+        for name, (kb, frac) in cases.items():
+            label = f"{name} [{path}]" if args.device == "cuda" else name
+            rows[label] = measure(args.device, kb, frac, args.tensors, numel, args.rounds)
+    lmsrt.copy_path.set_enabled(True)
     print(f"pack/unpack CPU time per saved tensor: {args.tensors} tensors of {args.kb:g} KB on "
           f"{args.device}, median of {args.rounds} rounds")
-    print(f"{'path':24} {'pack us':>8} {'unpack us':>10} {'total us':>9}  swapped/kept/skipped")
+    print(f"{'path':33} {'pack us':>8} {'unpack us':>10} {'total us':>9}  swapped/kept/skipped")
     for name, r in rows.items():
-        print(f"{name:24} {r['pack_us']:8.1f} {r['unpack_us']:10.1f} "
+        print(f"{name:33} {r['pack_us']:8.1f} {r['unpack_us']:10.1f} "
               f"{r['pack_us'] + r['unpack_us']:9.1f}  {r['swapped']}/{r['kept']}/{r['skipped']}")
     if args.profile:
         import cProfile
@@ -130,7 +141,8 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.runcall(measure, args.device, 1, 0.0, args.tensors, numel, 2)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    result = {"device": args.device, "tensors": args.tensors, "kb": args.kb, "rows": rows}
+    result = {"device": args.device, "tensors": args.tensors, "kb": args.kb, "rows": rows,
+              "copy_path": lmsrt.copy_path.status()}
     if args.primitives and args.device == "cuda":
         result["primitives_us"] = primitives(args.tensors, numel)
         print("CPU time per call of what the swapped path calls:")

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from . import copy_path
 from .config import cuda_index
 
 __all__ = ["CudaDevice", "SimulatedDevice", "resolve_device"]
@@ -89,6 +90,9 @@ class CudaDevice:
         self.index = torch.cuda.current_device() if index is None else index
         self.torch_device = torch.device("cuda", self.index)
         self.name = torch.cuda.get_device_name(self.index)
+        self.copy_path = copy_path.load()     # the engine's C++ copy calls, or None
+        if self.copy_path is not None:
+            self.memory_allocated = functools.partial(self.copy_path.memory_allocated, self.index)
         _keep_peaks_across_resets()
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -111,6 +115,10 @@ class CudaDevice:
     def memory_allocated(self) -> int:
         # torch.cuda.memory_allocated() flattens the whole stats dict (~100 us); this is ~20 us.
         return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["current"]
+
+    def alloc_retries(self) -> int:
+        """How often the caching allocator has had to free its cache and retry (a device sync)."""
+        return torch._C._cuda_memoryStats(self.index)["num_alloc_retries"]
 
     def peak_allocated(self) -> int:
         """Peak allocated bytes since the last ``reset_peak``, even if the script reset torch's
@@ -163,6 +171,9 @@ class _SimEvent:
     def synchronize(self) -> None:
         self.remaining = -1
 
+    def wait(self, stream=None) -> None:
+        self.synchronize()
+
     def elapsed_time(self, other) -> float:
         return 0.0
 
@@ -171,7 +182,7 @@ class _SimStream:
     __slots__ = ()
 
     def wait_event(self, event) -> None:
-        event.synchronize()
+        event.wait(self)
 
     def synchronize(self) -> None:
         pass
@@ -190,6 +201,7 @@ class SimulatedDevice:
 
     kind = "sim"
     index = 0
+    copy_path = None
     torch_device = torch.device("cpu")
     name = "simulated"
 
@@ -227,6 +239,10 @@ class SimulatedDevice:
 
     def peak_allocated(self) -> int:
         return self._peak
+
+    @staticmethod
+    def alloc_retries() -> int:
+        return 0
 
     def reset_peak(self) -> None:
         self._peak = self._allocated

@@ -124,12 +124,20 @@ def host_budget(already_pinned: int = 0, fraction: float = 0.8) -> int:
 
 
 class HostSlot:
-    """A piece of a pinned slab: ``tensor`` is a uint8 view of it."""
+    """``nbytes`` at ``offset`` in pinned slab number ``slab`` (the tensor ``base``); ``tensor``
+    is a uint8 view of them, made on first use (the C++ copy path needs only base and offset)."""
 
-    __slots__ = ("slab", "offset", "tensor")
+    __slots__ = ("slab", "offset", "nbytes", "base", "_tensor")
 
-    def __init__(self, slab: int, offset: int, tensor: torch.Tensor):
-        self.slab, self.offset, self.tensor = slab, offset, tensor
+    def __init__(self, slab: int, offset: int, nbytes: int, base: torch.Tensor):
+        self.slab, self.offset, self.nbytes, self.base = slab, offset, nbytes, base
+        self._tensor: Optional[torch.Tensor] = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = self.base[self.offset:self.offset + self.nbytes]
+        return self._tensor
 
 
 class HostPool:
@@ -181,13 +189,13 @@ class HostPool:
     def _slot(self, slab: int, offset: int, nbytes: int) -> HostSlot:
         self.used_bytes += self.allocators[slab].size_of(offset)
         self.peak_used = max(self.peak_used, self.used_bytes)
-        return HostSlot(slab, offset, self.slabs[slab][offset:offset + nbytes])
+        return HostSlot(slab, offset, nbytes, self.slabs[slab])
 
     def free(self, slot: HostSlot) -> None:
         allocator = self.allocators[slot.slab]
         self.used_bytes -= allocator.size_of(slot.offset)
         allocator.free(slot.offset)
-        slot.tensor = None
+        slot.base = slot._tensor = None
 
     def new_step(self) -> None:
         """A new step: host memory may have been freed since, so growing may be tried again."""

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import arena
+from . import arena, copy_path
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
@@ -170,6 +170,7 @@ class LMS:
                        "prefetch_mb": self.config.prefetch_mb,
                        "host_budget_gb": self.config.host_budget_gb},
             "allocator": arena.native_status(),
+            "copy_path": "native" if self._engine and self._engine._native else "python",
             "mark_bytes": self._engine.mark if self._engine else 0,
             "limit_bytes": self._engine.limit if self._engine else 0,
             "last_step": step.as_dict(),

@@ -29,6 +29,7 @@ class StepStats:
     swapin_wait_ms: float = 0.0    # time the compute stream waited on swap-in copies
     swapout_waits: int = 0         # times forward waited on a swap-out to stay under the mark
     host_refused: int = 0          # swap-outs refused by the host budget (kept on the GPU)
+    alloc_retries: int = 0         # times the CUDA allocator had to free its cache to go on
     gpu_peak_bytes: int = 0        # peak allocated GPU memory of the step
     forward_end_bytes: int = 0     # GPU use when forward ended, net of copies still in flight
     host_pinned_bytes: int = 0     # pinned host memory held at the end of the step
@@ -40,7 +41,7 @@ class StepStats:
 
 _SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "swapin_wait_ms", "swapout_waits",
-           "host_refused")
+           "host_refused", "alloc_retries")
 
 
 # Finished steps kept for ``LMS.stats()["history"]``. A run of a million steps must not grow by a
@@ -89,7 +90,7 @@ def format_summary(stats: Dict[str, object]) -> str:
     lines = [
         f"lmsrt  lms={stats['config']['lms']:g} KB  lms_frac={stats['config']['lms_frac']:g}  "
         f"device={stats['device']}  mark={stats['mark_bytes'] / GiB:.2f} GiB  "
-        f"allocator={stats['allocator']}",
+        f"allocator={stats['allocator']}  copy path={stats['copy_path']}",
         f"{'':22}{'last step':>14}{'total':>14}",
     ]
     rows = [
@@ -105,6 +106,7 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("swap-in wait (ms)", last["swapin_wait_ms"], t["swapin_wait_ms"]),
         ("swap-out waits", last["swapout_waits"], t["swapout_waits"]),
         ("host refusals", last["host_refused"], t["host_refused"]),
+        ("allocator retries", last["alloc_retries"], t["alloc_retries"]),
         ("GPU peak allocated", last["gpu_peak_bytes"], t["gpu_peak_bytes"]),
         ("host pinned peak", last["host_peak_bytes"], t["host_peak_bytes"]),
     ]

@@ -7,12 +7,24 @@ from models import assert_same, make_lms, train_step, transformer
 pytestmark = pytest.mark.cuda
 
 
+@pytest.fixture(params=["python", "C++"])
+def copy_path(request):
+    """Run a check through each copy path: torch's Python bindings, and csrc/copy_path.cpp (when
+    `lmsrt build` has built it for this torch)."""
+    import lmsrt.copy_path
+    lmsrt.copy_path.set_enabled(request.param == "C++")
+    if request.param == "C++" and lmsrt.copy_path.load() is None:
+        pytest.skip(f"C++ copy path: {lmsrt.copy_path.status()}")
+    yield request.param
+    lmsrt.copy_path.set_enabled(True)
+
+
 def _stall(stream, cycles=5_000_000):
     with torch.cuda.stream(stream):
         torch.cuda._sleep(cycles)
 
 
-def test_race_stalled_streams_inplace_ops_exact():
+def test_race_stalled_streams_inplace_ops_exact(copy_path):
     """Stall each stream in turn around in-place ops and freshly reused blocks. A copy issued
     before its source was written (Rule 1), a source freed before its copy finished (Rule 2), or a
     restored tensor read before its copy landed (Rule 3) shows up as a wrong bit or a NaN."""
@@ -49,6 +61,7 @@ def test_race_stalled_streams_inplace_ops_exact():
         assert torch.equal(ref_loss, loss)
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert lms.stats()["total"]["out_tensors"] > 0
+    assert (lms._engine._native is not None) == (copy_path == "C++")
 
 
 def _peak_of(fn):
@@ -72,7 +85,7 @@ def test_peak_below_half_on_transformer_stack_at_frac_zero():
     assert swapped < plain / 2, (swapped / 2**20, plain / 2**20)
 
 
-def test_no_leak_over_20_steps():
+def test_no_leak_over_20_steps(copy_path):
     torch.manual_seed(0)
     model = transformer(d=256, layers=4, heads=4).cuda()
     x = torch.randn(4, 128, 256, device="cuda")

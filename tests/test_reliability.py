@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lmsrt
 from lmsrt import host as host_module
+from lmsrt.device import SimulatedDevice
 from lmsrt.host import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
 from models import DEVICES, assert_same, make_lms, mlp, torch_device, train_step, transformer
@@ -61,11 +62,14 @@ def _boundary_is_clean(lms):
         assert not engine._order and not engine._dead and not engine._held
 
 
-class _FailingCopy(torch.Tensor):
-    """A tensor whose copy_ raises, as a failed DMA or a driver error would."""
-
-    def copy_(self, *args, **kwargs):
-        raise RuntimeError("injected: the copy failed")
+def _failing(copy, when=lambda: True):
+    """``copy`` (the engine's _copy_out or _copy_in, Python or C++) raising as a failed DMA or a
+    driver error would, whenever ``when()`` says so."""
+    def flaky(*args):
+        if when():
+            raise RuntimeError("injected: the copy failed")
+        return copy(*args)
+    return flaky
 
 
 def _oom(kind):
@@ -191,16 +195,8 @@ def test_tiny_host_budget_swaps_what_fits_and_keeps_the_rest(kind):
 def _check_d2h_failure(kind):
     model, x, ref = _setup(kind)
     lms = make_lms(kind)
-    host = lms._engine.host
-    alloc, calls = host.alloc, itertools.count()
-
-    def flaky_alloc(nbytes):                        # every third copy out fails
-        slot = alloc(nbytes)
-        if slot is not None and next(calls) % 3 == 1:
-            slot.tensor = slot.tensor.as_subclass(_FailingCopy)
-        return slot
-
-    host.alloc = flaky_alloc
+    engine, calls = lms._engine, itertools.count()
+    engine._copy_out = _failing(engine._copy_out, lambda: next(calls) % 3 == 1)  # every third
     with lmsrt_warnings() as said:
         for _ in range(4):
             assert_same(ref, train_step(model, x, lms=lms))
@@ -218,9 +214,9 @@ def test_failed_copy_out_keeps_the_tensor_on_gpu(kind):
 def _check_h2d_failure(kind, monkeypatch):
     model, x, ref = _setup(kind)
     lms = make_lms(kind)
-    device = lms._engine.device
-    empty = device.empty
-    monkeypatch.setattr(device, "empty", lambda nbytes: empty(nbytes).as_subclass(_FailingCopy))
+    engine = lms._engine
+    copy_in = engine._copy_in
+    monkeypatch.setattr(engine, "_copy_in", _failing(copy_in))
     model.zero_grad(set_to_none=True)
     with lms:
         loss = model(x).square().mean()
@@ -228,7 +224,7 @@ def _check_h2d_failure(kind, monkeypatch):
         loss.backward()
     assert "injected" in str(info.value.__cause__)
     del loss, info
-    monkeypatch.setattr(device, "empty", empty)
+    monkeypatch.setattr(engine, "_copy_in", copy_in)
     for _ in range(2):                              # the engine goes on as if nothing happened
         assert_same(ref, train_step(model, x, lms=lms))
     _boundary_is_clean(lms)
@@ -860,3 +856,33 @@ def test_no_gpu_warns_once_per_process(monkeypatch):
             assert not lms.enabled and lms.stats()["total"]["out_bytes"] == 0
         lmsrt.LMS(lms=0)
     assert len(said) == 1 and "no CUDA device" in said[0], said
+
+
+class _RetryingDevice(SimulatedDevice):
+    """A simulated GPU whose caching allocator retries ``per_step`` times each step."""
+
+    def __init__(self, per_step, **kw):
+        super().__init__(**kw)
+        self.per_step, self.retries = per_step, 0
+
+    def alloc_retries(self):
+        return self.retries
+
+
+def test_allocator_retries_are_counted_per_step_and_said_once():
+    torch.manual_seed(0)
+    model = transformer(d=32, layers=2, heads=2)
+    x = torch.randn(2, 16, 32)
+    device = _RetryingDevice(per_step=2)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            train_step(model, x, lms=lms)
+            device.retries += device.per_step      # as if backward had run out twice
+    history = lms.stats()["history"]
+    assert [h["alloc_retries"] for h in history] == [2, 2, 2]
+    assert lms.stats()["total"]["alloc_retries"] == 6 + lms.stats()["last_step"]["alloc_retries"]
+    said = [w for w in caught if "ran out of room" in str(w.message)]
+    assert len(said) == 1 and "lms_frac" in str(said[0].message), [str(w.message) for w in caught]
+    assert "allocator retries" in lms.summary()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import info, profile, run, tune
+from . import build, info, profile, run, tune
 
 __all__ = ["main"]
 
@@ -15,5 +15,5 @@ def main() -> None:
     """lmsrt: large model support for PyTorch (swap saved activations to host memory)."""
 
 
-for _module in (run, tune, info, profile):
+for _module in (run, tune, info, profile, build):
     main.add_command(_module.command)

@@ -1,8 +1,9 @@
 """``lmsrt info``: what lmsrt finds on this machine, and what is missing.
 
 Versions (lmsrt, torch, CUDA runtime, NVIDIA driver), the GPUs and their free memory, host memory
-and the pinned budget lmsrt would use per local rank, whether the native allocator is in use, the
-``LMSRT_*`` settings in the environment, and with ``--bandwidth`` the pinned copy speed.
+and the pinned budget lmsrt would use per local rank, whether the native allocator and the C++
+copy path (``lmsrt build``) are in use, the ``LMSRT_*`` settings in the environment, and with
+``--bandwidth`` the pinned copy speed.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     """
     import torch
 
-    from .. import __version__, arena
+    from .. import __version__, arena, copy_path
     from .._launch import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
     from ..config import ENV_VARS
 
@@ -114,6 +115,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
         "host": _host(),
         "native_allocator": arena.NATIVE,
         "allocator": arena.native_status(),
+        "copy_path": copy_path.status(),
         "settings": {k: v for k, v in os.environ.items()
                      if k in ENV_VARS or k in (ENV_GPU_LIMIT, ENV_STATS, ENV_MAX_STEPS)},
         "bandwidth": None,
@@ -137,6 +139,7 @@ def format_info(data: Dict[str, object]) -> str:
              row("cuDNN", data["cudnn"] or "none"),
              row("NVIDIA driver", data["nvidia_driver"]),
              row("allocator", data["allocator"]),
+             row("copy path", data["copy_path"]),
              "GPUs"]
     if not data["gpus"]:
         lines.append(row("none", data["no_gpu_reason"]))
