@@ -47,6 +47,7 @@ from typing import List, Optional
 
 import torch
 
+from ._timeline import format_bytes
 from .config import LMSConfig
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
@@ -372,7 +373,7 @@ class SwapEngine:
             s.source, s.copy_done = self._copy_out(storage, slot)
         except Exception as e:                             # Rule 7: keep it on the GPU
             self.host.free(slot)
-            self._warn_once("d2h", f"lmsrt: copying a saved tensor ({_size(nbytes)}) to "
+            self._warn_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to "
                             f"host memory failed ({type(e).__name__}: {e}); it stays on the GPU, "
                             "as will any other whose copy fails, and gradients are unaffected. If "
                             "the GPU then runs out, the error says what to change.")
@@ -442,7 +443,7 @@ class SwapEngine:
             except torch.OutOfMemoryError as e:
                 self.annotate_oom(e, f"bringing a saved tensor back for backward: a {ref.dtype} "
                                   f"tensor of shape {tuple(ref.size)}, whose storage of "
-                                  f"{_size(s.nbytes)} did not fit")
+                                  f"{format_bytes(s.nbytes)} did not fit")
                 raise
             s.unpacked += 1
             if s.unpacked >= s.handles and s.source is None:
@@ -500,7 +501,7 @@ class SwapEngine:
         except Exception as e:                          # Rule 7: never hand out those bytes
             s.gpu = None
             raise RuntimeError(
-                f"lmsrt: copying a swapped-out saved tensor ({_size(s.nbytes)}) back to "
+                f"lmsrt: copying a swapped-out saved tensor ({format_bytes(s.nbytes)}) back to "
                 f"the GPU for backward failed ({type(e).__name__}: {e}), so backward stops "
                 "rather than use bytes that may be wrong. If it recurs, run without LMS "
                 "(lms=0) to see whether the GPU itself is at fault.") from e
@@ -655,13 +656,13 @@ class SwapEngine:
         largest, largest_index = self._largest
         lines = [
             f"lmsrt: out of GPU memory with LMS on, {where}.",
-            f"  GPU: {_size(self.device.memory_allocated())} allocated now, "
-            f"{_size(self.device.peak_allocated())} peak this step, of {_size(self.limit)} this "
-            f"process may use; swapping starts at {_size(self.mark)} "
+            f"  GPU: {format_bytes(self.device.memory_allocated())} allocated now, "
+            f"{format_bytes(self.device.peak_allocated())} peak this step, of {format_bytes(self.limit)} this "
+            f"process may use; swapping starts at {format_bytes(self.mark)} "
             f"(lms_frac={cfg.lms_frac:g}).",
-            f"  This step: {_size(step.out_bytes)} swapped out ({step.out_tensors} storages), "
-            f"{_size(step.kept_bytes)} eligible but kept on the GPU; largest "
-            f"saved storage {_size(largest)} (saved {largest_index + 1}"
+            f"  This step: {format_bytes(step.out_bytes)} swapped out ({step.out_tensors} storages), "
+            f"{format_bytes(step.kept_bytes)} eligible but kept on the GPU; largest "
+            f"saved storage {format_bytes(largest)} (saved {largest_index + 1}"
             f"{_ordinal(largest_index + 1)} in forward).",
         ]
         if refused:
@@ -687,13 +688,6 @@ class SwapEngine:
         message = "\n".join(lines)
         first = str(exc.args[0]) if exc.args else ""
         exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def _ordinal(n: int) -> str:

@@ -247,7 +247,7 @@ def _check_oom_in_forward(kind):
     text = str(info.value)
     assert "out of memory" in text.splitlines()[0].lower()          # torch's own message first
     for part in ("lmsrt: out of GPU memory with LMS on, in forward", "swapping starts at",
-                 "lms_frac=0.5", "largest saved storage 8.0 KiB", "--lms-frac", "--lms,",
+                 "lms_frac=0.5", "largest saved storage 8.00 KiB", "--lms-frac", "--lms,",
                  "expandable_segments:True", "lmsrt profile"):
         assert part in text, (part, text)
     assert text.count("lmsrt: out of GPU memory") == 1
@@ -274,7 +274,7 @@ def _check_oom_bringing_back(kind, monkeypatch):
     with pytest.raises(torch.OutOfMemoryError) as info:
         loss.backward()
     text = str(info.value)
-    for part in ("bringing a saved tensor back for backward", "shape (32, 64)", "8.0 KiB",
+    for part in ("bringing a saved tensor back for backward", "shape (32, 64)", "8.00 KiB",
                  "already at its most", "torch.utils.checkpoint"):
         assert part in text, (part, text)
     del loss, info
