@@ -355,3 +355,25 @@ def test_plan_target_does_not_ratchet_on_a_transient_it_cannot_remove():
         plan.offload(i, n)
     plan.finish_step(forward_end_use=2950, swapped=1700, beyond_plan=200, mark=mark)
     assert plan.target == 1650, plan.target
+
+
+def test_decisions_about_large_storages_read_gpu_use_exactly():
+    """Between exact readings the engine estimates GPU use, blind to the model's own allocations;
+    for a storage of 64 MiB or more (whose copy dwarfs a reading) it always reads."""
+    device = SimulatedDevice(capacity=1 << 36)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac=0.9)
+    engine, reads = lms._engine, []
+    real = device.memory_allocated
+    device.memory_allocated = lambda: reads.append(1) or real()
+    engine.begin_forward()
+    small = [torch.randn(256) for _ in range(32)]
+    for t in small:
+        engine.pack(t)
+    assert 0 < len(reads) <= 32 // 8 + 1            # estimates in between
+    big = [torch.empty(16 << 20) for _ in range(3)]   # 64 MiB each
+    before = len(reads)
+    for t in big:
+        engine.pack(t)
+    assert len(reads) - before >= len(big)
+    engine.end_forward()
+    lms.close()
