@@ -2,7 +2,7 @@
 in use.
 
 Optional. Without it the engine makes the same calls through torch's Python bindings, which
-costs about twice the CPU per swapped tensor (benchmarks/pack_overhead.py measures both). It is a
+costs ~1.4x the CPU per swapped tensor (benchmarks/pack_overhead.py measures both). It is a
 torch extension, so it must be compiled for the installed torch; build it once on the machine
 that trains (it needs a C++ compiler and ninja, and takes about a minute)::
 
