@@ -3,31 +3,59 @@ in use.
 
 Optional. Without it the engine makes the same calls through torch's Python bindings, which
 costs ~1.4x the CPU per swapped tensor (benchmarks/pack_overhead.py measures both). It is a
-torch extension, so it must be compiled for the installed torch; build it once on the machine
-that trains (it needs a C++ compiler and ninja, and takes about a minute)::
+torch extension, so it must be compiled for the installed torch, and it is, on first use on a
+CUDA GPU: the first ``LMS`` (or ``lmsrt info``) on a machine compiles it (a C++ compiler and
+ninja, about a minute, once per torch version) and says so in one line; see NOTE [ Building on
+first use ]. ``lmsrt build`` does the same ahead of time::
 
     lmsrt build          # then `lmsrt info` says "copy path: native"
 
 The build lands in ``$LMSRT_CACHE`` (default ``~/.cache/lmsrt``), in a folder per torch
-version and Python, and ``LMS`` picks it up from there. ``LMSRT_COPY_PATH=python`` turns it off.
+version, Python and source, and ``LMS`` picks it up from there. ``LMSRT_COPY_PATH=python``
+turns it off. Without a CUDA GPU nothing is compiled unless asked (``lmsrt build``).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import os
+import shutil
 import sys
 import sysconfig
-from typing import Optional, Tuple
+import time
+from typing import Iterator, Optional, Tuple
 
 __all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir"]
 
 _ENV_OFF = "LMSRT_COPY_PATH"
+_FAILED = "build-failed.txt"    # in build_dir(): why the last build failed; stops automatic retries
+_LOCK_TIMEOUT_S = 900           # a build takes about a minute; a lock held this long is stuck
 _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
+
+# NOTE [ Building on first use ]
+# README's set-up (pip install -e ".[test]") cannot compile a torch extension: pip builds in an
+# isolated environment without the user's torch, and pulling torch into it would download an
+# unpinned, multi-GB wheel. So the first load() on a CUDA GPU compiles it instead:
+#   1. Only with a CUDA GPU, the one place the engine uses it. On a CPU-only machine load()
+#      never compiles (a test run would spend a minute on it for nothing); ``lmsrt build`` still
+#      can, and tests/test_copy_path.py does, against CPU torch.
+#   2. One builder per machine. torchrun starts a process per GPU and each creates an LMS: the
+#      first takes a file lock in build_dir() and compiles, the others wait on the lock, then find
+#      the built file and load it. The lock is an OS lock (filelock), released if its holder dies;
+#      torch's own lock file in the same folder is left behind by a killed build and would make
+#      every later build wait forever, so a holder of ours removes it.
+#   3. Never fails a run. No compiler or no ninja: say so once, use the Python path. A failed
+#      compile: say so once and write build-failed.txt, so that later processes (every trial of
+#      ``lmsrt tune``, every rank) do not spend a minute failing again; ``lmsrt build`` retries.
+#   4. The folder's name carries the torch version, the Python and a digest of the source, so a
+#      new torch or an edited csrc/copy_path.cpp builds afresh rather than loading a stale module.
 
 
 def source_path() -> str:
-    """csrc/copy_path.cpp of this checkout (``lmsrt build`` needs a source install: pip -e)."""
+    """csrc/copy_path.cpp of this checkout (building needs a source install: pip install -e)."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
                         "copy_path.cpp")
 
@@ -35,7 +63,10 @@ def source_path() -> str:
 def _module_name() -> str:
     import torch
     tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    return f"lmsrt_copy_path_{tag}_py{sys.version_info.major}{sys.version_info.minor}"
+    _check_source()
+    with open(source_path(), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:10]
+    return f"lmsrt_copy_path_{tag}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
 
 
 def build_dir() -> str:
@@ -52,29 +83,55 @@ def _built_file() -> str:
     return ""
 
 
+def _check_source() -> None:
+    if not os.path.exists(source_path()):
+        raise FileNotFoundError(
+            f"{source_path()} is not there; the C++ copy path builds from a source checkout "
+            "(git clone, then pip install -e .).")
+
+
 def build(verbose: bool = False) -> str:
     """Compile csrc/copy_path.cpp for the installed torch; return the built file's path.
+
+    Waits while another process builds it (NOTE [ Building on first use ]), and clears an
+    earlier failure when it succeeds.
 
     Example::
 
         import lmsrt.copy_path
         print(lmsrt.copy_path.build())
     """
+    with _tools_on_path(), _build_lock():
+        return _compile(verbose)
+
+
+def _compile(verbose: bool) -> str:
+    """Compile into build_dir(), the build lock held; record a failure in build-failed.txt."""
     global _loaded
+    import torch
     from torch.utils import cpp_extension
 
-    source = source_path()
-    if not os.path.exists(source):
-        raise FileNotFoundError(
-            f"lmsrt build: {source} is not there; the C++ copy path builds from a source "
-            "checkout (git clone, then pip install -e .).")
-    import torch
-    os.makedirs(build_dir(), exist_ok=True)
+    failed = os.path.join(build_dir(), _FAILED)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(build_dir(), "lock"))     # torch's, left by a killed build
     # Against a CUDA build of torch the copies are raw cudaMemcpyAsync calls (csrc says why).
     cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    cpp_extension.load(name=_module_name(), sources=[source], build_directory=build_dir(),
-                       extra_cflags=["-O2"] + (["-DLMSRT_CUDA"] if cuda else []),
-                       with_cuda=cuda, verbose=verbose)
+    try:
+        with _quiet(cpp_extension.__name__, verbose):
+            cpp_extension.load(name=_module_name(), sources=[source_path()],
+                               build_directory=build_dir(),
+                               extra_cflags=["-O2"] + (["-DLMSRT_CUDA"] if cuda else []),
+                               with_cuda=cuda, verbose=verbose)
+    except Exception as e:
+        with open(failed, "w") as f:
+            f.write(f"{type(e).__name__}: {e}\n")
+        # torch records the sources as built even when the compiler failed, and would skip the
+        # compiler on a retry in this process: forget them.
+        with contextlib.suppress(AttributeError):
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(_module_name(), None)
+        raise
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(failed)
     _loaded = None
     path = _built_file()
     if not path:
@@ -82,23 +139,148 @@ def build(verbose: bool = False) -> str:
     return path
 
 
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    from filelock import FileLock
+
+    os.makedirs(build_dir(), exist_ok=True)
+    with FileLock(os.path.join(build_dir(), "build.lock"), timeout=_LOCK_TIMEOUT_S):
+        yield
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str, verbose: bool) -> Iterator[None]:
+    """torch's extension builder logs warnings that do not apply to one .cpp file (no
+    TORCH_CUDA_ARCH_LIST: nvcc never runs); a build says one line, or everything if verbose."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _tools_on_path() -> Iterator[None]:
+    """pip puts ninja beside this Python (venv/bin), which is on PATH only in an activated venv,
+    and torch looks for ninja on PATH: add that folder while building."""
+    scripts, path = sysconfig.get_path("scripts"), os.environ.get("PATH", "")
+    if not scripts or scripts in path.split(os.pathsep):
+        yield
+        return
+    os.environ["PATH"] = os.pathsep.join(p for p in (path, scripts) if p)
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def _missing_tool() -> str:
+    """What the build would miss, or ''."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler} is not on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is missing (pip install ninja)"
+    return ""
+
+
+def _gpu_present() -> bool:
+    import torch
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def _say(text: str, end: str = "\n", every_rank: bool = False) -> None:
+    """A line on stderr; by default from local rank 0 only, since torchrun's ranks would all say
+    the same (the one process that builds speaks whatever its rank)."""
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(text, end=end, file=sys.stderr, flush=True)
+
+
+def _first_error(e: Exception) -> str:
+    """The compiler's first error line in a failed build's message, else its first line."""
+    lines = str(e).splitlines() or [""]
+    return next((line for line in lines if "error" in line.lower() and ":" in line and
+                 not line.startswith("Error building")), lines[0]).strip()[:200]
+
+
+def _build_on_first_use() -> Tuple[str, str]:
+    """(built file, '') or ('', why not), having said which in one line; NOTE [ Building on
+    first use ]."""
+    with _tools_on_path():
+        why = _missing_tool()
+        if not why:
+            try:
+                with _build_lock():
+                    return _build_once()
+            except Exception as e:      # noqa: BLE001 - lock timeout, unwritable cache, ...
+                why = f"not built ({type(e).__name__}: {e})"
+    _say(f"lmsrt: C++ copy path {_fallback(why)}")
+    return "", why
+
+
+def _build_once() -> Tuple[str, str]:
+    """The build lock held: the file another process built while this one waited, or an earlier
+    failure, or a build now."""
+    import torch
+
+    path = _built_file()
+    if path:
+        return path, ""
+    failed = os.path.join(build_dir(), _FAILED)
+    if os.path.exists(failed):
+        why = f"not built: an earlier build failed (see {failed})"
+        _say(f"lmsrt: C++ copy path {_fallback(why)}")
+        return "", why
+    _say(f"lmsrt: building the C++ copy path for torch {torch.__version__} (once per torch "
+         "version) ...", end="", every_rank=True)
+    start = time.perf_counter()
+    try:
+        path = _compile(verbose=False)
+    except Exception as e:              # noqa: BLE001 - a failed build must not stop training
+        why = f"build failed ({_first_error(e)}; all of it in {failed})"
+        _say(f" {_fallback(why)}", every_rank=True)
+        return "", why
+    _say(f" built in {time.perf_counter() - start:.0f} s ({path})", every_rank=True)
+    return path, ""
+
+
+def _fallback(why: str) -> str:
+    return (f"{why}; LMS uses the Python copy path (~30% more CPU per swapped tensor). "
+            f"`lmsrt build --verbose` shows why and retries; {_ENV_OFF}=python chooses Python "
+            "without this note.")
+
+
 def load():
-    """The native module, or None; ``status()`` says why not. Cheap after the first call."""
+    """The native module, or None; ``status()`` says why not. Cheap after the first call.
+
+    On a CUDA GPU the first call builds it if it is not built yet (NOTE [ Building on first
+    use ]); anything that goes wrong there is said once and leaves the Python path in use.
+    """
     global _loaded
     if _loaded is None:
-        _loaded = _import()
+        _loaded = _find_or_build()
     return _loaded[0]
 
 
-def _import() -> Tuple[object, str]:
+def _find_or_build() -> Tuple[object, str]:
     if os.environ.get(_ENV_OFF, "").lower() in ("python", "0", "off"):
         return None, f"off ({_ENV_OFF}={os.environ[_ENV_OFF]})"
     try:
-        path = _built_file()
-    except Exception as e:      # noqa: BLE001 - no torch, odd home: just not native
+        path = _built_file() or ("" if _gpu_present() else None)
+    except Exception as e:      # noqa: BLE001 - no torch, no source, odd home: just not native
         return None, f"{type(e).__name__}: {e}"
+    if path is None:
+        return None, ("not built: no CUDA GPU here; it builds itself on first use on one, or run "
+                      "`lmsrt build`")
     if not path:
-        return None, "not built (run `lmsrt build` once on this machine)"
+        path, why = _build_on_first_use()
+        if not path:
+            return None, f"{why}; `lmsrt build --verbose` shows why and retries"
     try:
         loader = importlib.machinery.ExtensionFileLoader(_module_name(), path)
         spec = importlib.util.spec_from_file_location(_module_name(), path, loader=loader)

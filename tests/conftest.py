@@ -2,6 +2,10 @@ import os
 
 # Bit-exact comparisons on CUDA need deterministic kernels; cuBLAS reads this at initialisation.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# One CPU thread per test process (and per process a test starts): the tensors are tiny, and
+# README's test command runs a worker per core, where OpenMP threads spinning against the other
+# workers cost half the suite's CPU time. Read by torch when it is imported, just below.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

@@ -15,6 +15,9 @@ def command(verbose: bool) -> None:
     version). LMS then makes its per-tensor CUDA calls from C++: the same calls with ~30% less
     CPU per swapped tensor. Needs a C++ compiler and ninja (pip install ninja).
 
+    On a CUDA GPU the first LMS (or `lmsrt info`) builds it by itself; this builds it ahead of
+    time (in a container image, on a shared LMSRT_CACHE), and retries a build that failed.
+
     \b
     Examples:
       lmsrt build
@@ -22,9 +25,10 @@ def command(verbose: bool) -> None:
     """
     from .. import copy_path
 
-    click.echo(f"lmsrt build: compiling {copy_path.source_path()} into {copy_path.build_dir()} ...")
     start = time.time()
     try:
+        click.echo(f"lmsrt build: compiling {copy_path.source_path()} into "
+                   f"{copy_path.build_dir()} ...")
         path = copy_path.build(verbose=verbose)
     except Exception as e:     # compiler, ninja or source missing: say which, and what to do
         raise click.ClickException(
