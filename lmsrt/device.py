@@ -9,6 +9,7 @@ the release logic are exercised exactly as on a GPU.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -26,16 +27,19 @@ __all__ = ["CudaDevice", "SimulatedDevice", "resolve_device"]
 class _OnStream:
     """Make ``stream`` current for a block: the raw switch costs ~1 us, where
     ``torch.cuda.stream()`` resolves device indices through several Python layers (~10 us), which
-    adds up at two switches per swapped tensor."""
+    adds up at two switches per swapped tensor. Setting a stream also makes its device current,
+    so the thread's own current device is put back on the way out."""
 
-    __slots__ = ("target", "index", "prev")
+    __slots__ = ("target", "index", "prev", "prev_device")
 
     def __init__(self, stream, index: int):
         self.target = (stream.stream_id, stream.device_index, stream.device_type)
         self.index = index
         self.prev = None
+        self.prev_device = None
 
     def __enter__(self):
+        self.prev_device = torch._C._cuda_getDevice()
         self.prev = torch._C._cuda_getCurrentStream(self.index)
         sid, idx, kind = self.target
         torch._C._cuda_setStream(stream_id=sid, device_index=idx, device_type=kind)
@@ -43,6 +47,8 @@ class _OnStream:
     def __exit__(self, *exc):
         sid, idx, kind = self.prev
         torch._C._cuda_setStream(stream_id=sid, device_index=idx, device_type=kind)
+        if self.prev_device != idx:
+            torch._C._cuda_setDevice(self.prev_device)
 
 
 _RAW_STREAMS = hasattr(torch._C, "_cuda_getCurrentStream") and hasattr(torch._C, "_cuda_setStream")
@@ -100,6 +106,16 @@ class CudaDevice:
 
     def current_stream(self):
         return torch.cuda.current_stream(self.index)
+
+    def stream_key(self):
+        """The current stream of this device, as a tuple that compares cheaply (~0.3 us against
+        ~3 us for ``current_stream``)."""
+        return torch._C._cuda_getCurrentStream(self.index)
+
+    @staticmethod
+    def stream_of(key):
+        sid, index, kind = key
+        return torch.cuda.Stream(stream_id=sid, device_index=index, device_type=kind)
 
     def new_stream(self):
         return torch.cuda.Stream(self.index)
@@ -184,6 +200,9 @@ class _SimStream:
     def wait_event(self, event) -> None:
         event.wait(self)
 
+    def wait_stream(self, other) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -211,7 +230,12 @@ class SimulatedDevice:
         self.pin_limit = pin_limit
         self.pinned_total = 0
         self._lock = threading.Lock()
-        self._live: dict = {}   # id(storage) -> nbytes, for storages still alive
+        self._live: dict = {}   # id(storage) -> (weakref, nbytes), for storages still alive
+        self._by_ref: dict = {}  # id(weakref) -> id(storage)
+        # Weakrefs of storages that died, queued by the C ``append`` as their callback: no
+        # Python runs where a storage dies (it could swallow a Ctrl-C there), and the count is
+        # brought up to date when it is read.
+        self._gone: collections.deque = collections.deque()
         self._allocated = 0
         self._peak = 0
         self._default_stream = _SimStream()
@@ -221,6 +245,13 @@ class SimulatedDevice:
 
     def current_stream(self):
         """One stream, as every thread on a GPU has the same default stream."""
+        return self._default_stream
+
+    @staticmethod
+    def stream_key() -> int:
+        return 0
+
+    def stream_of(self, key):
         return self._default_stream
 
     @staticmethod
@@ -235,6 +266,8 @@ class SimulatedDevice:
         return contextlib.nullcontext()
 
     def memory_allocated(self) -> int:
+        if self._gone:
+            self._forget()
         return self._allocated
 
     def peak_allocated(self) -> int:
@@ -262,18 +295,29 @@ class SimulatedDevice:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def note_saved(self, storage) -> None:
-        key = id(storage)
         with self._lock:
+            self._drain()
+            key = id(storage)
             if key in self._live:
                 return
-            self._live[key] = storage.nbytes()
-            self._allocated += self._live[key]
+            ref = weakref.ref(storage, self._gone.append)
+            nbytes = storage.nbytes()
+            self._live[key] = (ref, nbytes)
+            self._by_ref[id(ref)] = key
+            self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
-        weakref.finalize(storage, self._forget, key)
 
-    def _forget(self, key: int) -> None:
+    def _forget(self) -> None:
         with self._lock:
-            self._allocated -= self._live.pop(key, 0)
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._gone:
+            ref = self._gone[0]
+            key = self._by_ref.pop(id(ref), None)
+            if key is not None and self._live[key][0] is ref:
+                self._allocated -= self._live.pop(key)[1]
+            self._gone.popleft()
 
     def synchronize(self) -> None:
         pass

@@ -1,35 +1,59 @@
 """The swap engine: pack/unpack of saved tensors, D2H and H2D streams, prefetch, release.
 
 NOTE [ Stream lifetimes ]
-Three streams touch a swapped storage: the compute stream (the user's current stream, captured
-when forward starts; autograd runs each backward node on its forward op's stream), the D2H stream
-and the H2D stream. Every rule below is a stream-ordered dependency, never a host sync:
+Three streams touch a swapped storage: its own stream (the stream current when it was saved: the
+step's compute stream, or a side stream the model runs some ops on; autograd runs each backward
+node on its forward op's stream, so this is also the stream that uses it in backward), the D2H
+stream and the H2D stream. Every rule below is a stream-ordered dependency, never a host sync:
 
-  Rule 1 (swap-out reads the right bytes). The D2H copy waits on an event recorded on the compute
-    stream when the tensor is packed, i.e. after the kernel that wrote it was queued.
+  Rule 1 (swap-out reads the right bytes). The D2H copy waits on an event recorded on the
+    storage's stream when the tensor is packed, i.e. after the kernel that wrote it was queued.
   Rule 2 (a source outlives its copy). The GPU source is held until its copy event has been seen
-    complete, or until the compute stream has been made to wait on that event; only then is the
-    reference dropped. The caching allocator is stream-ordered: a freed block is reused only by
-    work queued on the compute stream after that point, which the wait orders after the copy.
-  Rule 3 (swap-in writes a block nobody uses). A restored storage is allocated while the compute
-    stream is current, so the allocator hands out a block whose previous users are ordered before
-    now on the compute stream; the H2D copy waits on a compute event recorded after the
-    allocation, and the compute stream waits on the copy's event before the first use.
+    complete, or until the storage's stream has been made to wait on that event; only then is
+    the reference dropped. The caching allocator is stream-ordered: a freed block is reused only
+    by work queued on its stream after that point, which the wait orders after the copy. (A
+    tensor used on a stream other than the one that allocated it must be recorded on that
+    stream, PyTorch's own rule; then the same holds.)
+  Rule 3 (swap-in writes a block nobody uses). A restored storage is allocated while its stream
+    is current, so the allocator hands out a block whose previous users are ordered before now on
+    that stream; the H2D copy waits on an event recorded there after the allocation, and the
+    stream waits on the copy's event before the first use. Should backward use it on yet another
+    stream, that stream waits too and the block is recorded on it.
   Rule 4 (an unused prefetch is dropped safely). A restored storage that is dropped before any
-    use first makes the compute stream wait on its copy event (Rule 2 for the H2D stream).
+    use first makes its stream wait on its copy event (Rule 2 for the H2D stream).
   Rule 5 (host slots are reused in order). A host slot is freed only when its storage's last
-    handle is dead. Any H2D copy that read it is by then a compute-stream dependency (Rules 3
-    and 4), and every later D2H write into that slot waits on a later compute event (Rule 1), so
-    a write cannot overtake a read; two D2H writes are ordered by their one stream.
-  Rule 6 (one compute stream at a time). Rules 1-4 order everything against ``compute``, so
-    a forward may start on another stream only when no swapped storage of an earlier forward is
-    alive and no other thread's forward is open; begin_forward refuses it otherwise. Threads
-    that share one LMS therefore share its compute stream (CUDA's default stream, unless set).
+    handle is dead. Any H2D copy that read it is by then a dependency of the storage's stream
+    (Rules 3 and 4), and every later D2H write into that slot waits on a later event (Rule 1),
+    so a write cannot overtake a read; two D2H writes are ordered by their one stream.
+  Rule 6 (one compute stream at a time). A forward may start on another stream only when no
+    swapped storage of an earlier forward is alive and no other thread's forward is open;
+    begin_forward refuses it otherwise. Threads that share one LMS therefore share its compute
+    stream (CUDA's default stream, unless set). Side streams inside a forward are fine (Rule 1).
   Rule 7 (a failed copy is never trusted). A D2H copy that raises frees its slot at once (any
     later write into it is ordered behind on the D2H stream) and the source stays on the GPU
     as a kept tensor. An H2D copy that raises drops the restored block and fails backward.
   Rule 8 (close waits). close() synchronizes the device before it drops sources, restored
     copies and host slots, so nothing in flight outlives what it reads or writes.
+  Rule 9 (one storage, one stream). A storage saved again from a stream other than its own is
+    kept on the GPU for that save, so every copy of it is ordered against one stream.
+
+NOTE [ Interrupts and versions ]
+A KeyboardInterrupt can arrive between any two Python calls, also inside engine code, and
+autograd frees graphs wherever it likes. So: (a) nothing runs Python when autograd drops a
+handle: each handle is watched by a weak reference whose callback is a deque's C ``append``,
+and ``_reap`` does the bookkeeping later, under the lock; a ``__del__`` would swallow an
+interrupt that lands in it. (b) Every change of engine state is made so that an interrupt
+leaves either the old state or the new one: a restored block is marked only after its copy is
+queued, a storage's handle count is the size of a set of watches (added and removed in one
+step), a release is idempotent and retried, and storages no handle ever reached are released
+at the next step boundary. (c) Autograd skips its own in-place check when saved-tensor hooks
+are set, so every handle, kept or swapped, carries
+the saved tensor's version and unpack raises autograd's error when it changed. The version is
+read through the handle's base tensor while it lives, else through an empty tensor that shares
+its version counter but not its storage: so it also catches a kernel that wrote the storage
+while its D2H copy was reading it (Rule 1 orders the copy after the writes before the save, not
+after later ones), since that write bumps the version. An interrupt that lands between two
+statements leaks a host slot at worst, never hands backward wrong bytes.
 
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
@@ -76,24 +100,27 @@ _FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 class _Storage:
     """One saved storage that is swapped out; its views come back as views of one restored copy."""
 
-    __slots__ = ("engine", "nbytes", "index", "storage_ref", "version", "source", "host",
-                 "copy_done", "gpu", "fetch_done", "fetch_waited", "handles", "unpacked", "consumed",
-                 "dead", "__weakref__")
+    __slots__ = ("nbytes", "index", "seq", "storage_ref", "version", "stream", "stream_key",
+                 "source", "counter", "host", "copy_done", "gpu", "fetch_done", "fetch_waited",
+                 "watches", "unpacked", "generation", "consumed", "dead")
 
-    def __init__(self, engine, nbytes: int, storage_ref, version: int):
-        self.engine = engine
+    def __init__(self, nbytes: int, seq: int, storage_ref, version: int, stream, stream_key):
         self.nbytes = nbytes
         self.index = 0                  # its place in the engine's swap order
-        self.storage_ref = storage_ref  # weakref to the source storage: tells a reused address apart
-        self.version = version
-        self.source: Optional[torch.Tensor] = None   # uint8 view of the GPU source, until released
+        self.seq = seq                  # its place among this forward's saved storages
+        self.storage_ref = storage_ref  # weakref to the source storage: tells a reused address
+        self.version = version          # apart, and says whether the source lives on elsewhere
+        self.stream, self.stream_key = stream, stream_key   # where it is used (Rules 1-4, 9)
+        self.source: Optional[torch.Tensor] = None   # alias of the GPU source, until released
+        self.counter: Optional[torch.Tensor] = None  # an empty tensor sharing its version counter
         self.host: Optional[HostSlot] = None
         self.copy_done = None
         self.gpu: Optional[torch.Tensor] = None      # restored uint8 copy on the GPU
         self.fetch_done = None
         self.fetch_waited = False
-        self.handles = 0                # live handles (views) in autograd graphs
+        self.watches: set = set()       # ids of the live handles' watches (NOTE [ Interrupts ])
         self.unpacked = 0               # handles unpacked since the restored copy was made
+        self.generation = 0             # restored copies made so far
         self.consumed = False           # every view handed to backward in this pass
         self.dead = False
 
@@ -107,39 +134,138 @@ class _Kept:
         self.storage_ref, self.version = storage_ref, version
 
 
+class _KeptRef:
+    """What autograd holds for a saved tensor that stays on the GPU, with what unpack checks."""
+
+    __slots__ = ("tensor", "version", "producer", "thread")
+
+    def __init__(self, tensor: torch.Tensor, version: int, producer, thread: int):
+        self.tensor, self.version, self.producer, self.thread = tensor, version, producer, thread
+
+
 class _SwapRef:
-    """What autograd holds for a swapped tensor: its storage and how to view it."""
+    """What autograd holds for a swapped tensor: its storage, how to view it, what to check."""
 
-    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+    __slots__ = ("storage", "watch", "dtype", "size", "stride", "offset", "base_ref", "version",
+                 "producer", "thread", "__weakref__")
 
-    def __init__(self, storage: _Storage, t: torch.Tensor):
+    def __init__(self, storage: _Storage, t: torch.Tensor, producer, thread: int):
         self.storage = storage
+        self.watch = None
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
-        storage.handles += 1
+        # Views share their base's version counter, and keep the base alive: while anything
+        # could still modify these bytes in place, the base is there to say so.
+        self.base_ref = weakref.ref(t if t._base is None else t._base)
+        self.version = t._version
+        self.producer = producer
+        self.thread = thread
 
-    def __del__(self):
-        # Runs wherever autograd drops the graph: inside engine code, on another thread, at exit.
-        # Only queue it (deque.append is atomic); _reap counts it down under the engine's lock.
-        s = self.storage
-        s.engine._dead.append(s)
+
+class _Watch(weakref.ref):
+    """Watches a ``_SwapRef``; when autograd drops it, the callback (the engine's dead queue's C
+    ``append``, no Python frame that an interrupt could land in) queues this watch for ``_reap``.
+    The handle holds its watch, so the watch lives until it is reaped."""
+
+    __slots__ = ("storage", "generation")
 
 
-def _eligible_storage(t: torch.Tensor, device, min_bytes: int):
-    """The storage to swap for saved tensor ``t``, or None if swapping it would free nothing.
+def _producer(t: torch.Tensor):
+    """(grad_fn name, output number) for autograd's in-place error, or None for a leaf."""
+    fn = t.grad_fn
+    return None if fn is None else (fn.name(), t.output_nr)
 
-    Parameters and other trainable leaves (and views of them) live for the whole run, so they stay.
-    Tensors without a grad_fn are not excluded as such: pooling indices and masks are saved that
-    way and can be the largest tensors of a step (a max-pool's int64 indices at full resolution).
-    """
-    if type(t) is not torch.Tensor or not device.owns(t):
-        return None                          # parameters, subclasses, other devices
-    base = t if t._base is None else t._base
-    if base.requires_grad and base.is_leaf:
-        return None                          # trainable leaves and views of them
-    if t.layout != torch.strided or t.is_conj() or t.is_neg():
-        return None
-    storage = t.untyped_storage()
-    return storage if storage.nbytes() >= min_bytes else None
+
+def _version_counter_of(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor that shares ``t``'s version counter but not its storage: it tells whether
+    the saved bytes were modified in place, also after every tensor that could do it is gone.
+    (Its set_ runs below autograd's in-place layer, so it does not itself count as a change.)"""
+    alias = t.detach()
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        alias.set_()
+    return alias
+
+
+def _modified_error(kind: str, size, producer, now: int, saved: int, how: str) -> RuntimeError:
+    """Autograd's own in-place error, which it does not raise itself while hooks are set."""
+    which = f", which is output {producer[1]} of {producer[0]}," if producer else ""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{kind} {list(size)}]{which} is at version {now}; expected version {saved} "
+        "instead. Hint: enable anomaly detection to find the operation that failed to compute "
+        "its gradient, with torch.autograd.set_detect_anomaly(True).\n"
+        f"lmsrt: this tensor was saved for backward at version {saved} and {how}; without LMS "
+        "autograd raises this same error. Clone the tensor before modifying it in place, or "
+        "modify it only after backward.")
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "nested" if t.is_nested else type(t).__name__
+
+
+def _finish_copies(d2h, h2d) -> None:
+    try:
+        d2h.synchronize()
+        h2d.synchronize()
+    except Exception:       # noqa: BLE001 - at exit CUDA may already be gone
+        pass
+
+
+class _TorchCopies:
+    """Swap-out, swap-in and views through torch's Python bindings."""
+
+    def __init__(self, device, d2h, h2d):
+        self.device, self.d2h, self.h2d = device, d2h, h2d
+        # Marks "the saving stream got this far" for a copy stream to wait on. One event serves
+        # every copy: a stream wait takes the event's state when it is issued, so re-recording it
+        # for the next copy (always under the engine's lock, right before its own wait) cannot
+        # loosen an earlier wait, and creating an event per copy costs ~1 us more.
+        self.ready = device.new_event()
+        self.on_d2h = device.stream(d2h)
+        self.on_h2d = device.stream(h2d)
+
+    def copy_out(self, storage, slot: HostSlot, stream):
+        source = torch.empty(0, dtype=torch.uint8, device=self.device.torch_device).set_(storage)
+        self.ready.record(stream)
+        self.ready.wait(self.d2h)                          # Rule 1
+        with self.on_d2h:
+            slot.tensor.copy_(source, non_blocking=True)
+            done = self.device.new_event()
+            done.record(self.d2h)
+        return done
+
+    def copy_in(self, block: torch.Tensor, slot: HostSlot, stream):
+        self.ready.record(stream)
+        self.ready.wait(self.h2d)                          # Rule 3
+        with self.on_h2d:
+            block.copy_(slot.tensor, non_blocking=True)
+            done = self.device.new_event()
+            done.record(self.h2d)
+        return done
+
+    @staticmethod
+    def view(data: torch.Tensor, ref: "_SwapRef") -> torch.Tensor:
+        """The saved tensor, as a view of its storage's bytes (source or restored copy)."""
+        return torch.empty(0, dtype=ref.dtype, device=data.device).set_(
+            data.untyped_storage(), ref.offset, ref.size, ref.stride)
+
+
+class _NativeCopies:
+    """The same through lmsrt.copy_path's C++ (csrc/copy_path.cpp): one native call each."""
+
+    def __init__(self, native, d2h, h2d):
+        self.native, self.d2h, self.h2d = native, d2h, h2d
+        self.ready = native.Event()
+
+    def copy_out(self, storage, slot: HostSlot, stream):
+        return self.native.copy_out(storage, slot.base, slot.offset, self.ready,  # Rule 1
+                                    stream, self.d2h)[1]
+
+    def copy_in(self, block: torch.Tensor, slot: HostSlot, stream):
+        return self.native.copy_in(block, slot.base, slot.offset, self.ready,     # Rule 3
+                                   stream, self.h2d)
+
+    def view(self, data: torch.Tensor, ref: "_SwapRef") -> torch.Tensor:
+        return self.native.view(data, ref.dtype, ref.size, ref.stride, ref.offset)
 
 
 class SwapEngine:
@@ -152,30 +278,26 @@ class SwapEngine:
         self.window = config.prefetch_bytes
         self.d2h = device.new_stream()
         self.h2d = device.new_stream()
-        # Marks "the compute stream got this far" for a copy stream to wait on. One event serves
-        # every copy: a stream wait takes the event's state when it is issued, so re-recording it
-        # for the next copy (always under the lock, right before its own wait) cannot loosen an
-        # earlier wait, and creating an event per copy costs ~1 us more.
         # The per-tensor CUDA calls go through lmsrt.copy_path's C++ when it is built (the same
         # calls, ~30% less CPU per swapped tensor), else through torch's Python bindings.
         self._native = device.copy_path
-        self._ready = self._native.Event() if self._native else device.new_event()
-        self._on_d2h = device.stream(self.d2h)
-        self._on_h2d = device.stream(self.h2d)
-        if self._native:
-            self._copy_out, self._copy_in, self._view = \
-                self._copy_out_native, self._copy_in_native, self._view_native
+        self._copies = (_NativeCopies(self._native, self.d2h, self.h2d) if self._native
+                        else _TorchCopies(device, self.d2h, self.h2d))
         # An exact reading of GPU use is cheap natively: no need to estimate between readings.
         self._exact_every = 0 if self._native else _EXACT_EVERY
         self.compute = device.current_stream()
+        self._compute_key = device.stream_key()
         self.host = HostPool(device, config.host_budget_bytes)
         self.plan = OffloadPlan()
         self.run_stats = RunStats()
         self.step = StepStats()
         self.limit = device.memory_limit()
         self.mark = int(config.lms_frac * self.limit)
+        # At a mark of 0 every byte is over it: let this much be held while its copies run, so
+        # they overlap forward instead of each pack waiting for the last copy.
+        self._overlap = min(self.window, self.limit >> 3)
         self._lock = threading.RLock()
-        self._dead: collections.deque = collections.deque()
+        self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
         self._held_bytes = 0
         self._by_ptr: dict = {}        # storage address -> _Storage/_Kept, for this forward
@@ -186,7 +308,8 @@ class SwapEngine:
         self._beyond_plan = 0          # bytes the mark rule swapped beyond the plan this step
         self._forward_end_use = 0      # GPU use when forward ended, net of copies in flight
         self._timed_waits: list = []
-        self._backward_seen = False    # an unpack happened since this step's forward began
+        self._after_backward: set = set()  # threads whose saved tensors backward has used since
+        self._stale_hooks: set = set()     # threads whose hooks an exit in backward left pushed
         self._forward_open = False     # packs of this step's forward may still come
         self._use_read = 0             # GPU use at the last exact reading
         self._use_delta = 0            # bytes lmsrt added (+) or released (-) since that reading
@@ -195,12 +318,17 @@ class SwapEngine:
         self._retries_before = 0       # the allocator's retry count when this step began
         self._warned: set = set()      # which one-time warnings were given
         self.closed = False
+        # An engine dropped without close() (no graph can use it then: a graph holds unpack)
+        # still lets its copies finish before its pinned slabs go back (Rules 2, 8).
+        weakref.finalize(self, _finish_copies, self.d2h, self.h2d)
 
     # -- step boundaries ---------------------------------------------------------------------
 
     def begin_forward(self) -> None:
         with self._lock:
             self._reap()
+            self._sweep_orphans()
+            self._release_finished()
             self._order = [s for s in self._order if not s.dead]
             stream = self.device.current_stream()
             if stream != self.compute and (self._forward_open or self._order):
@@ -210,9 +338,9 @@ class SwapEngine:
                     "yet run backward). One LMS orders its copies against one compute stream "
                     "(NOTE [ Stream lifetimes ], Rule 6): run every forward that shares it on "
                     "the same stream, or give each stream its own lmsrt.LMS.")
+            self._after_backward.discard(threading.get_ident())
             if self._forward_open:
                 self.end_forward()
-            self._backward_seen = False
             self._forward_open = True
             if self.step.step:
                 self._finish_step()
@@ -220,6 +348,7 @@ class SwapEngine:
                                   plan_target_bytes=self.plan.target if self.plan.planned else 0)
             self._retries_before = self.device.alloc_retries()
             self.compute = stream
+            self._compute_key = self.device.stream_key()
             self._by_ptr.clear()
             for i, s in enumerate(self._order):
                 s.index = i
@@ -229,6 +358,13 @@ class SwapEngine:
             self.host.new_step()
             if self.plan.planned:
                 self.host.reserve(self.plan.target)
+
+    def _sweep_orphans(self) -> None:
+        """Release storages that no handle holds: a pack interrupted before it handed its handle
+        to autograd (NOTE [ Interrupts and versions ], b)."""
+        for s in self._order:
+            if not s.watches and not s.dead:
+                self._release(s)
 
     def end_forward(self) -> None:
         """Forward is over: at ``with`` exit, or at the first unpack of a backward that follows
@@ -284,25 +420,76 @@ class SwapEngine:
     # -- forward: pack -----------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor):
-        storage = _eligible_storage(t, self.device, self.min_bytes)
+        thread = threading.get_ident()
+        if self._after_backward and thread in self._after_backward \
+                and torch._C._current_graph_task_id() == -1:
+            # One `with lms:` around a whole loop (or `lmsrt run`): a forward that follows a
+            # backward of this thread's saved tensors starts a new step. Packs inside backward
+            # (checkpoint recompute) do not, nor another thread's forward.
+            self.begin_forward()
+        if self._stale_hooks and thread in self._stale_hooks:
+            self._pop_stale_hooks(thread)
+        storage = self._eligible_storage(t)
         if storage is None:
             self.step.skipped_tensors += 1
-            # Never hold a tensor with a grad_fn: a saved output would point back at its own node.
-            return t if t.grad_fn is None else t.detach()
+            return self._keep(t, thread)
         with self._lock:
-            if self._backward_seen and torch._C._current_graph_task_id() == -1:
-                # One `with lms:` around a whole loop (or `lmsrt run`): a forward that follows a
-                # backward starts a new step. Packs inside backward (checkpoint recompute) do not.
-                self.begin_forward()
             if self._dead:
                 self._reap()
             version = t._version
             entry = self._by_ptr.get(storage.data_ptr())
             if entry is None or entry.storage_ref() is not storage or entry.version != version:
                 entry = self._new_storage(t, storage, version)
+            elif type(entry) is _Storage and entry.stream_key != self.device.stream_key():
+                return self._keep(t, thread)                 # Rule 9
             if type(entry) is _Kept:
-                return t.detach()
-            return _SwapRef(entry, t)
+                return self._keep(t, thread)
+            return self._handle(entry, t, thread)
+
+    @staticmethod
+    def _keep(t: torch.Tensor, thread: int) -> _KeptRef:
+        # Never hold a tensor with a grad_fn: a saved output would point back at its own node.
+        # detach() shares the version counter, which unpack checks.
+        fn = t.grad_fn
+        if fn is None:
+            return _KeptRef(t, t._version, None, thread)
+        return _KeptRef(t.detach(), t._version, (fn.name(), t.output_nr), thread)
+
+    def _handle(self, s: _Storage, t: torch.Tensor, thread: int) -> _SwapRef:
+        """A handle for autograd, counted in ``s.watches`` in one step (NOTE [ Interrupts and
+        versions ], a and b): until its watch is in the set, a lost handle frees nothing."""
+        ref = _SwapRef(s, t, _producer(t), thread)
+        watch = _Watch(ref, self._dead.append)
+        watch.storage, watch.generation = s, -1
+        ref.watch = watch
+        s.watches.add(id(watch))
+        return ref
+
+    def _eligible_storage(self, t: torch.Tensor):
+        """The storage to swap for saved tensor ``t``, or None if swapping it would free nothing
+        or cannot be done.
+
+        Parameters and other trainable leaves (and views of them) live for the whole run, so
+        they stay. Tensors without a grad_fn are not excluded as such: pooling indices and masks
+        are saved that way and can be the largest tensors of a step (a max-pool's int64 indices
+        at full resolution). Nested tensors and tensor subclasses other than parameters have no
+        one flat storage to copy: they stay, and a warning says so once.
+        """
+        if type(t) is not torch.Tensor or t.is_nested:
+            if not isinstance(t, torch.nn.Parameter) and self.device.owns(t):
+                self._warn_once("kind", f"lmsrt: saved tensors of kind {_kind(t)} stay on the "
+                                "GPU: the engine swaps plain strided tensors only. Gradients are "
+                                "unaffected; only the memory they hold is not saved.")
+            return None                          # parameters, subclasses, nested tensors
+        if not self.device.owns(t):
+            return None                          # other devices
+        base = t if t._base is None else t._base
+        if base.requires_grad and base.is_leaf:
+            return None                          # trainable leaves and views of them
+        if t.layout != torch.strided or t.is_conj() or t.is_neg() or t.is_quantized:
+            return None
+        storage = t.untyped_storage()
+        return storage if storage.nbytes() >= self.min_bytes else None
 
     def _new_storage(self, t: torch.Tensor, storage, version: int):
         nbytes = storage.nbytes()
@@ -319,12 +506,19 @@ class SwapEngine:
         self._use_delta += nbytes
         self._release_finished()
         planned = self.plan.offload(index, nbytes)
+        if self.plan.lives_on(index):
+            # Last step's copy of this storage freed nothing: something else kept it alive
+            # through backward (an input batch, a buffer, a frozen weight held as a tensor).
+            self.step.live_bytes += nbytes
+            self.step.live_tensors += 1
+            entry = self._by_ptr[storage.data_ptr()] = _Kept(ref, version)
+            return entry
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
         # stay over the mark once they are (else copies that lag forward would look like demand).
         used = None if planned else self._gpu_use(nbytes)
         entry = None
         if planned or used - self._held_bytes > self._swap_mark():
-            entry = self._swap_out(storage, nbytes, ref, version)
+            entry = self._swap_out(t, storage, nbytes, index, ref, version)
             if entry is not None and not planned:
                 self._beyond_plan += nbytes
         if entry is None:
@@ -370,44 +564,43 @@ class SwapEngine:
         self._use_read, self._use_delta, self._use_age = self.device.memory_allocated(), 0, 0
         return self._use_read
 
-    def _swap_out(self, storage, nbytes: int, ref, version: int) -> Optional[_Storage]:
+    def _swap_out(self, t: torch.Tensor, storage, nbytes: int, seq: int, ref,
+                  version: int) -> Optional[_Storage]:
+        key = self.device.stream_key()
+        stream = self.compute if key == self._compute_key else self.device.stream_of(key)
         slot = self.host.alloc(nbytes)
         if slot is None:
             return None
-        s = _Storage(self, nbytes, ref, version)
-        s.host = slot
+        order = self._order
         try:
-            s.source, s.copy_done = self._copy_out(storage, slot)
-        except Exception as e:                             # Rule 7: keep it on the GPU
+            s = _Storage(nbytes, seq, ref, version, stream, key)
+            s.copy_done = self._copy_out(storage, slot, stream)      # Rule 1
+            s.source, s.counter, s.host = t.detach(), _version_counter_of(t), slot   # Rule 2
+            s.index = len(order)
+            order.append(s)          # from here the step boundary releases it if orphaned
+        except BaseException as e:                         # Rule 7: keep it on the GPU
+            if order and order[-1].host is slot:           # interrupted once committed
+                self._held_bytes += nbytes
+                self._held.append(order[-1])
+                raise
             self.host.free(slot)
+            if not isinstance(e, Exception):
+                raise
             self._warn_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to "
                             f"host memory failed ({type(e).__name__}: {e}); it stays on the GPU, "
                             "as will any other whose copy fails, and gradients are unaffected. If "
                             "the GPU then runs out, the error says what to change.")
             return None
-        self._held.append(s)
         self._held_bytes += nbytes
-        s.index = len(self._order)
-        self._order.append(s)
+        self._held.append(s)
         self.step.out_bytes += nbytes
         self.step.out_tensors += 1
         return s
 
-    def _copy_out(self, storage, slot: HostSlot):
-        """Start the D2H copy of ``storage`` into ``slot``; return the source's byte view (which
-        keeps it alive) and the copy's event."""
-        source = torch.empty(0, dtype=torch.uint8, device=self.device.torch_device).set_(storage)
-        self._ready.record(self.compute)
-        self._ready.wait(self.d2h)                         # Rule 1
-        with self._on_d2h:
-            slot.tensor.copy_(source, non_blocking=True)
-            done = self.device.new_event()
-            done.record(self.d2h)
-        return source, done
-
-    def _copy_out_native(self, storage, slot: HostSlot):
-        return self._native.copy_out(storage, slot.base, slot.offset, self._ready,  # Rule 1
-                                     self.compute, self.d2h)
+    def _copy_out(self, storage, slot: HostSlot, stream):
+        """Start the D2H copy of ``storage`` into ``slot`` after ``stream``'s work so far;
+        return the copy's event."""
+        return self._copies.copy_out(storage, slot, stream)
 
     def _release_finished(self) -> None:
         held = self._held
@@ -415,12 +608,12 @@ class SwapEngine:
             self._drop_source(held.popleft())              # Rule 2: copy seen complete
 
     def _bound_held(self, used: int) -> None:
-        held = self._held
-        while held and used > self.mark:
+        held, mark = self._held, self.mark
+        while held and (used > mark if mark else self._held_bytes > self._overlap):
             s = held.popleft()
             if s.source is None:
                 continue
-            s.copy_done.wait(self.compute)                 # Rule 2: wait, then drop at once
+            s.copy_done.wait(s.stream)                     # Rule 2: wait, then drop at once
             self._drop_source(s)
             used -= s.nbytes
             self.step.swapout_waits += 1
@@ -433,18 +626,29 @@ class SwapEngine:
     # -- backward: unpack --------------------------------------------------------------------
 
     def unpack(self, ref):
-        self._backward_seen = True
-        if self._forward_open:
-            self.end_forward()
-        if type(ref) is not _SwapRef:
+        kind = type(ref)
+        if kind is _KeptRef:
+            self._after_backward.add(ref.thread)
+            if self._forward_open:
+                self.end_forward()
+            t = ref.tensor
+            if t._version != ref.version:
+                raise _modified_error(t.type(), t.size(), ref.producer, t._version, ref.version,
+                                      "kept on the GPU")
             if self._cursor >= 0:               # every unpack moves prefetch along
                 with self._lock:
                     self._advance()
-            return ref
+            return t
+        if kind is not _SwapRef:
+            return ref                          # saved while lmsrt stepped aside
+        self._after_backward.add(ref.thread)
+        if self._forward_open:
+            self.end_forward()
         with self._lock:
             if self._dead:
                 self._reap()
             s = ref.storage
+            self._check_version(ref, s)
             try:
                 data = self._resident(s)
             except torch.OutOfMemoryError as e:
@@ -452,29 +656,39 @@ class SwapEngine:
                                   f"tensor of shape {tuple(ref.size)}, whose storage of "
                                   f"{format_bytes(s.nbytes)} did not fit")
                 raise
-            s.unpacked += 1
-            if s.unpacked >= s.handles and s.source is None:
-                # Every view has been handed out: autograd's references keep the block alive for
-                # as long as it is read; ours would keep it for the rest of backward.
+            watch = ref.watch
+            if watch.generation != s.generation:       # a handle counts once per restored copy
+                watch.generation = s.generation
+                s.unpacked += 1
+            if s.unpacked >= len(s.watches) and s.gpu is not None:
+                # Every live view has been handed out: autograd's references keep the block
+                # alive for as long as it is read; ours would keep it for the rest of backward.
                 self._drop_restored(s)
-                s.unpacked = 0
                 s.consumed = True
             self._advance()
-        return self._view(data, ref)
+        return self._copies.view(data, ref)
 
-    @staticmethod
-    def _view(data: torch.Tensor, ref: _SwapRef) -> torch.Tensor:
-        """The saved tensor, as a view of its storage's bytes (source or restored copy)."""
-        return torch.empty(0, dtype=ref.dtype, device=data.device).set_(
-            data.untyped_storage(), ref.offset, ref.size, ref.stride)
-
-    def _view_native(self, data: torch.Tensor, ref: _SwapRef) -> torch.Tensor:
-        return self._native.view(data, ref.dtype, ref.size, ref.stride, ref.offset)
+    def _check_version(self, ref: _SwapRef, s: _Storage) -> None:
+        base = ref.base_ref()
+        now = base._version if base is not None else s.counter._version
+        if now != ref.version:
+            kind = torch.empty(0, dtype=ref.dtype, device=self.device.torch_device).type()
+            raise _modified_error(kind, ref.size, ref.producer, now, ref.version,
+                                  "swapped to host memory")
 
     def _resident(self, s: _Storage) -> torch.Tensor:
         if s.source is not None:
             return s.source
         if s.gpu is None:
+            live = s.storage_ref()
+            if live is not None:
+                # The source lives on elsewhere, unchanged (checked): use it, move nothing, and
+                # keep this storage on the GPU from the next step (plan.lives_on).
+                if s.seq not in self.plan.live_now:
+                    self.plan.mark_live(s.seq)
+                    self.step.live_bytes += s.nbytes
+                    self.step.live_tensors += 1
+                return torch.empty(0, dtype=torch.uint8, device=live.device).set_(live)
             self.step.prefetch_misses += 1
             if s.consumed:
                 self._new_pass(s)
@@ -483,16 +697,22 @@ class SwapEngine:
             self.step.prefetch_hits += 1
         if not s.fetch_waited:
             self._wait_fetch(s)
+        key = self.device.stream_key()
+        if key != s.stream_key:                            # Rule 3: another consumer stream
+            consumer = self.device.stream_of(key)
+            s.fetch_done.wait(consumer)
+            s.gpu.record_stream(consumer)
         return s.gpu
 
     def _wait_fetch(self, s: _Storage) -> None:
+        stream = s.stream
         if s.fetch_done.query():
-            s.fetch_done.wait(self.compute)
+            s.fetch_done.wait(stream)
         else:
             start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
-            start.record(self.compute)
-            s.fetch_done.wait(self.compute)                # Rule 3: wait before the first use
-            end.record(self.compute)
+            start.record(stream)
+            s.fetch_done.wait(stream)                      # Rule 3: wait before the first use
+            end.record(stream)
             self._timed_waits.append((start, end))
         s.fetch_waited = True
 
@@ -502,36 +722,37 @@ class SwapEngine:
                 "lmsrt: backward needs a saved tensor that this LMS swapped out, but the LMS was "
                 "closed (LMS.close(), or interpreter exit) and its host memory given back. Run "
                 "backward before closing the LMS.")
-        s.gpu = self.device.empty(s.nbytes)             # Rule 3: allocated on the compute stream
+        gpu = self._alloc_on(s)                           # Rule 3: allocated on its stream
         try:
-            s.fetch_done = self._copy_in(s.gpu, s.host)
-        except Exception as e:                          # Rule 7: never hand out those bytes
-            s.gpu = None
+            done = self._copy_in(gpu, s.host, s.stream)
+        except BaseException as e:                        # Rule 7: never hand out those bytes
+            s.stream.wait_stream(self.h2d)    # a copy queued before the error may still write
+            if not isinstance(e, Exception):
+                raise
             raise RuntimeError(
                 f"lmsrt: copying a swapped-out saved tensor ({format_bytes(s.nbytes)}) back to "
                 f"the GPU for backward failed ({type(e).__name__}: {e}), so backward stops "
                 "rather than use bytes that may be wrong. If it recurs, run without LMS "
                 "(lms=0) to see whether the GPU itself is at fault.") from e
-        s.fetch_waited = False
-        s.unpacked = 0
+        # Marked restored only now, with its copy queued (NOTE [ Interrupts and versions ], b).
+        s.fetch_done, s.fetch_waited, s.unpacked = done, False, 0
+        s.generation += 1
+        s.gpu = gpu
         self._ahead += s.nbytes
         self._use_delta += s.nbytes
         self.step.in_bytes += s.nbytes
         self.step.in_tensors += 1
 
-    def _copy_in(self, block: torch.Tensor, slot: HostSlot):
-        """Start the H2D copy of ``slot`` into ``block``; return the copy's event."""
-        self._ready.record(self.compute)
-        self._ready.wait(self.h2d)                         # Rule 3
-        with self._on_h2d:
-            block.copy_(slot.tensor, non_blocking=True)
-            done = self.device.new_event()
-            done.record(self.h2d)
-        return done
+    def _alloc_on(self, s: _Storage) -> torch.Tensor:
+        if s.stream_key == self.device.stream_key():
+            return self.device.empty(s.nbytes)
+        with self.device.stream(s.stream):
+            return self.device.empty(s.nbytes)
 
-    def _copy_in_native(self, block: torch.Tensor, slot: HostSlot):
-        return self._native.copy_in(block, slot.base, slot.offset, self._ready,  # Rule 3
-                                    self.compute, self.h2d)
+    def _copy_in(self, block: torch.Tensor, slot: HostSlot, stream):
+        """Start the H2D copy of ``slot`` into ``block`` after ``stream``'s work so far; return
+        the copy's event."""
+        return self._copies.copy_in(block, slot, stream)
 
     def _drop_restored(self, s: _Storage) -> None:
         s.gpu = None
@@ -553,11 +774,12 @@ class SwapEngine:
         compute; above 0 the mark holds strictly, since in plan mode the next swapped storage is
         needed only late in backward and fetching it early would land on the peak.
         Backward does not walk the save order strictly downwards (inside a block it jumps about),
-        so the walk is by a cursor that skips what is resident or already used."""
+        so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order = self._order
         while self._cursor >= 0:
             s = order[self._cursor]
-            if s.dead or s.consumed or s.gpu is not None or s.source is not None:
+            if (s.dead or s.consumed or s.gpu is not None or s.source is not None
+                    or s.storage_ref() is not None):
                 self._cursor -= 1
                 continue
             if (self._ahead or self.mark) and (self._ahead + s.nbytes > self.window
@@ -575,24 +797,33 @@ class SwapEngine:
     # -- release -----------------------------------------------------------------------------
 
     def _reap(self) -> None:
-        """Give back what dead storages held (autograd freed every graph that used them)."""
+        """Give back what dead storages held (autograd freed every graph that used them). A
+        watch leaves the queue only once handled, so an interrupt in here loses nothing."""
         dead = self._dead
         while dead:
-            s = dead.popleft()
-            s.handles -= 1
-            if s.handles:
-                continue
-            s.dead = True
-            if s.gpu is not None:
-                if not s.fetch_waited:
-                    s.fetch_done.wait(self.compute)        # Rule 4
-                self._drop_restored(s)
-            if s.source is not None:
-                s.copy_done.wait(self.compute)             # Rule 2
-                self._drop_source(s)
-            if s.host is not None:
-                self.host.free(s.host)                      # Rule 5
-                s.host = None
+            watch = dead[0]
+            s = watch.storage
+            if watch.generation == s.generation and id(watch) in s.watches:
+                s.unpacked -= 1
+            s.watches.discard(id(watch))
+            if not s.watches:
+                self._release(s)
+            dead.popleft()
+
+    def _release(self, s: _Storage) -> None:
+        """Give back what ``s`` holds; safe to repeat after an interrupt."""
+        s.dead = True
+        if s.gpu is not None:
+            if not s.fetch_waited:
+                s.fetch_done.wait(s.stream)                # Rule 4
+            self._drop_restored(s)
+        if s.source is not None:
+            s.copy_done.wait(s.stream)                     # Rule 2
+            self._drop_source(s)
+        slot = s.host
+        if slot is not None:
+            self.host.free(slot)                           # Rule 5
+            s.host = None
 
     def close(self) -> None:
         """Wait for copies in flight and give back pinned memory. The engine is unusable after:
@@ -613,6 +844,22 @@ class SwapEngine:
                 self._order.clear()
                 self._by_ptr.clear()
                 self.host.close()
+
+    # -- hooks left behind -------------------------------------------------------------------
+
+    def mark_stale_hooks(self, thread: int) -> None:
+        """``with lms:`` was left inside backward: autograd restores the thread's hook stack when
+        backward ends, with this engine's pair still on it. The next pack on that thread outside
+        backward pops it; that one save is still handled as usual."""
+        self._stale_hooks.add(thread)
+
+    def _pop_stale_hooks(self, thread: int) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._stale_hooks.discard(thread)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and getattr(top[0], "__self__", None) is self:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
 
     # -- what goes wrong ---------------------------------------------------------------------
 

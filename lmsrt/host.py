@@ -192,10 +192,14 @@ class HostPool:
         return HostSlot(slab, offset, nbytes, self.slabs[slab])
 
     def free(self, slot: HostSlot) -> None:
+        """Give ``slot`` back; a second call (a release retried after an interrupt) or one after
+        ``close`` does nothing."""
+        if slot.base is None or self.closed:
+            return
+        slot.base = slot._tensor = None          # first: an interrupt below leaks, never frees twice
         allocator = self.allocators[slot.slab]
         self.used_bytes -= allocator.size_of(slot.offset)
         allocator.free(slot.offset)
-        slot.base = slot._tensor = None
 
     def new_step(self) -> None:
         """A new step: host memory may have been freed since, so growing may be tried again."""

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import functools
 import threading
 import warnings
 import weakref
@@ -41,6 +43,58 @@ def _say_no_gpu_once() -> None:
                       "machine, or pass device='sim' to test on the CPU.", RuntimeWarning,
                       stacklevel=3)
     _said_no_gpu = True
+
+
+_torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
+
+
+def _own_pair_on_top() -> bool:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and isinstance(getattr(top[0], "__self__", None), SwapEngine)
+
+
+def _step_aside_where_hooks_are_disabled() -> None:
+    """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process) so that
+    lmsrt's hooks leave this thread's stack for the region and come back after it.
+
+    torch.func's transforms (grad, vjp, jacrev, hessian, vmap of them) and other code that
+    cannot work with saved-tensor hooks run inside that context manager, which raises as it is
+    entered if any hooks are set: under ``lmsrt run`` an unmodified script using torch.func
+    would fail. Tensors saved in the region stay on the GPU, as without LMS."""
+    global _torch_disable_hooks
+    if _torch_disable_hooks is not None:
+        return
+    _torch_disable_hooks = original = torch.autograd.graph.disable_saved_tensors_hooks
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message: str):
+        aside = []
+        while _own_pair_on_top():
+            aside.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if aside:
+            _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this region "
+                      "(torch.func transforms such as grad, vjp, jacrev and hessian, or "
+                      "torch.autograd.graph.disable_saved_tensors_hooks), so lmsrt steps aside "
+                      "there: tensors saved inside stay on the GPU, as without LMS (said once).")
+        try:
+            with original(error_message):
+                yield
+        finally:
+            for pack, unpack in reversed(aside):
+                torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+    torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+
+
+_said: set = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 @atexit.register
@@ -141,23 +195,33 @@ class LMS:
         if self._engine is None:
             self._active.hooks = False
             return self
-        if self._engine.closed:
+        engine = self._engine
+        if engine.closed:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
-        self._engine.begin_forward()
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._engine.pack, self._engine.unpack)
-        hooks.__enter__()
-        self._active.hooks = hooks
+        _step_aside_where_hooks_are_disabled()
+        engine.begin_forward()
+        if engine._stale_hooks:
+            engine._pop_stale_hooks(threading.get_ident())
+        torch._C._autograd._push_saved_tensors_default_hooks(engine.pack, engine.unpack)
+        self._active.hooks = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        hooks = getattr(self._active, "hooks", None)
+        pushed = getattr(self._active, "hooks", None)
         self._active.hooks = None
-        if hooks:
-            hooks.__exit__(exc_type, exc, tb)
-            self._engine.end_forward()
+        if pushed:
+            engine = self._engine
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and getattr(top[0], "__self__", None) is engine:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            if torch._C._current_graph_task_id() != -1:
+                # Left inside backward: autograd puts back the thread's hooks as they were
+                # when backward started, this pair included, once backward ends.
+                engine.mark_stale_hooks(threading.get_ident())
+            engine.end_forward()
             if isinstance(exc, torch.OutOfMemoryError):
                 # The same exception goes on, with lmsrt's context added to its message.
-                self._engine.annotate_oom(exc, "in forward")
+                engine.annotate_oom(exc, "in forward")
 
     def stats(self) -> Dict[str, object]:
         """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""

@@ -46,6 +46,8 @@ class OffloadPlan:
         self.cutoff = 0                 # offload storages with index < cutoff
         self.planned = False            # False: this step is reactive
         self.matched = True             # this step's sequence matches the recording so far
+        self.live: set = set()          # indices whose storage outlived the step anyway
+        self.live_now: set = set()      # the same, seen in this step's backward
 
     @property
     def mode(self) -> str:
@@ -66,9 +68,20 @@ class OffloadPlan:
         self.matched = False
         return False
 
+    def lives_on(self, index: int) -> bool:
+        """Whether storage ``index`` (already recorded by ``offload``) stayed alive elsewhere
+        through last step's backward, so that copying it out freed nothing."""
+        return index in self.live and self.planned and self.matched
+
+    def mark_live(self, index: int) -> None:
+        self.live_now.add(index)
+
     def finish_step(self, forward_end_use: int, swapped: int, beyond_plan: int, mark: int) -> None:
         """Update the target from the step just finished and start recording the next one."""
-        if self.followed:
+        followed = self.followed
+        # Storages kept because they outlived backward stay kept while the sequence repeats.
+        self.live, self.live_now = self.live_now | (self.live if followed else set()), set()
+        if followed:
             target = self.target + max(0, forward_end_use + beyond_plan - mark)
             room = mark * (1 - _SLACK) - forward_end_use
             if beyond_plan == 0 and room > 0:

@@ -22,6 +22,9 @@ class StepStats:
     kept_bytes: int = 0            # eligible but kept on the GPU
     kept_tensors: int = 0
     skipped_tensors: int = 0       # saved tensors not eligible (small, parameters, other devices)
+    live_bytes: int = 0            # eligible but alive anyway (the caller holds them): kept from
+                                   # the step after, used in place if already swapped
+    live_tensors: int = 0
     in_bytes: int = 0              # brought back for backward
     in_tensors: int = 0
     prefetch_hits: int = 0         # needed tensor was already fetched ahead
@@ -39,7 +42,8 @@ class StepStats:
         return dataclasses.asdict(self)
 
 
-_SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors", "in_bytes",
+_SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors",
+           "live_bytes", "live_tensors", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "swapin_wait_ms", "swapout_waits",
            "host_refused", "alloc_retries")
 
@@ -102,6 +106,7 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("  prefetch hits", last["prefetch_hits"], t["prefetch_hits"]),
         ("  prefetch misses", last["prefetch_misses"], t["prefetch_misses"]),
         ("kept on GPU", last["kept_bytes"], t["kept_bytes"]),
+        ("kept, alive anyway", last["live_bytes"], t["live_bytes"]),
         ("not eligible (count)", last["skipped_tensors"], t["skipped_tensors"]),
         ("swap-in wait (ms)", last["swapin_wait_ms"], t["swapin_wait_ms"]),
         ("swap-out waits", last["swapout_waits"], t["swapout_waits"]),
@@ -118,7 +123,8 @@ def format_summary(stats: Dict[str, object]) -> str:
             elif isinstance(v, str):
                 cells.append(f"{v:>14}")
             elif "bytes" in name or name in ("swapped out", "swapped in", "kept on GPU",
-                                             "GPU peak allocated", "host pinned peak"):
+                                             "kept, alive anyway", "GPU peak allocated",
+                                             "host pinned peak"):
                 cells.append(f"{_gib(v):>14}")
             elif isinstance(v, float):
                 cells.append(f"{v:14.1f}")
