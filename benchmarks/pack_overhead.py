@@ -33,20 +33,26 @@ def measure(device, lms_kb: float, frac: float, n: int, numel: int, rounds: int)
     lms = lmsrt.LMS(lms=lms_kb, lms_frac=frac, device=device)
     engine = lms._engine
     leaf = torch.randn(numel, device=dev, requires_grad=True)
-    tensors = [leaf * 1.0 for _ in range(n)]            # non-leaf, one storage each
     pack, unpack = [], []
     for _ in range(rounds + 1):                          # round 0 warms up (pins the slabs)
+        # Non-leaf, one storage each, and dropped after the save as activations are (a tensor
+        # still alive at backward would be used in place and kept from the next step on).
+        tensors = [leaf * 1.0 for _ in range(n)]
+        expect = [t.clone() for t in tensors[-3:]]
         engine.begin_forward()
         t0 = time.perf_counter()
         refs = [engine.pack(t) for t in tensors]
         t1 = time.perf_counter()
+        del tensors
+        if device == "cuda":
+            torch.cuda.synchronize()                     # copies done: backward fetches them
         engine.end_forward()
         t2 = time.perf_counter()
         outs = [engine.unpack(r) for r in reversed(refs)]
         t3 = time.perf_counter()
         if device == "cuda":
             torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(reversed(outs), tensors[:3]))
+        assert all(torch.equal(a, b) for a, b in zip(outs, reversed(expect)))
         del refs, outs
         pack.append((t1 - t0) / n * 1e6)
         unpack.append((t3 - t2) / n * 1e6)

@@ -46,14 +46,14 @@ interrupt that lands in it. (b) Every change of engine state is made so that an 
 leaves either the old state or the new one: a restored block is marked only after its copy is
 queued, a storage's handle count is the size of a set of watches (added and removed in one
 step), a release is idempotent and retried, and storages no handle ever reached are released
-at the next step boundary. (c) Autograd skips its own in-place check when saved-tensor hooks
-are set, so every handle, kept or swapped, carries
-the saved tensor's version and unpack raises autograd's error when it changed. The version is
-read through the handle's base tensor while it lives, else through an empty tensor that shares
-its version counter but not its storage: so it also catches a kernel that wrote the storage
-while its D2H copy was reading it (Rule 1 orders the copy after the writes before the save, not
-after later ones), since that write bumps the version. An interrupt that lands between two
-statements leaks a host slot at worst, never hands backward wrong bytes.
+at the next step boundary; an interrupt that lands between two statements leaks a host slot at
+worst, never hands backward wrong bytes. (c) Autograd skips its own in-place check when
+saved-tensor hooks are set, so every handle, kept or swapped, carries the saved tensor's version
+and unpack raises autograd's error when it changed. The version is read through the handle's
+base tensor while it lives, else through an empty tensor that shares its version counter but not
+its storage. So it also catches a kernel that wrote the storage while its D2H copy was reading
+it (Rule 1 orders the copy after the writes before the save, not after later ones): that write
+bumps the version.
 
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
