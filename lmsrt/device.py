@@ -278,7 +278,7 @@ class SimulatedDevice:
         return 0
 
     def reset_peak(self) -> None:
-        self._peak = self._allocated
+        self._peak = self.memory_allocated()
 
     def memory_limit(self) -> int:
         return self.capacity
