@@ -205,7 +205,7 @@ def _first_error(e: Exception) -> str:
     """The compiler's first error line in a failed build's message, else its first line."""
     lines = str(e).splitlines() or [""]
     return next((line for line in lines if "error" in line.lower() and ":" in line and
-                 not line.startswith("Error building")), lines[0]).strip()[:200]
+                 not line.startswith("Error building")), lines[0]).strip().rstrip(".")[:200]
 
 
 def _build_on_first_use() -> Tuple[str, str]:
@@ -218,7 +218,8 @@ def _build_on_first_use() -> Tuple[str, str]:
                 with _build_lock():
                     return _build_once()
             except Exception as e:      # noqa: BLE001 - lock timeout, unwritable cache, ...
-                why = f"not built ({type(e).__name__}: {e})"
+                why = f"{type(e).__name__}: {e}"
+    why = f"not built: {why}"
     _say(f"lmsrt: C++ copy path {_fallback(why)}")
     return "", why
 

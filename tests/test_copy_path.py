@@ -122,7 +122,7 @@ def test_missing_ninja_falls_back_and_says_so_once(tmp_path, monkeypatch, capsys
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     assert copy_path.load() is None and copy_path.load() is None
-    assert "ninja is missing (pip install ninja)" in copy_path.status()
+    assert "not built: ninja is missing (pip install ninja)" in copy_path.status()
     err = capsys.readouterr().err.splitlines()
     if local_rank == "1":
         assert err == []                      # torchrun's other ranks would say the same
