@@ -5,9 +5,9 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
-__all__ = ["LMSConfig", "ENV_VARS", "cuda_index"]
+__all__ = ["LMSConfig", "ENV_VARS", "MAX_BYTES", "cuda_index", "setting_range"]
 
 # Environment variable -> LMSConfig field, read by LMSConfig.from_env() and set by `lmsrt run`.
 ENV_VARS = {
@@ -18,14 +18,111 @@ ENV_VARS = {
     "LMSRT_DEVICE": "device",
 }
 
+# NOTE [ Settings are checked as byte counts ]
+# The engine, the host pool and the native arena use lms, prefetch_mb and host_budget_gb as
+# integer byte counts (``min_bytes``, ``prefetch_bytes``, ``host_budget_bytes``), held in 64 bits
+# wherever they meet C++ or CUDA. A finite float can still overflow that conversion (1e306 KB is
+# infinite bytes), so a setting is valid when the byte count it converts to, by the same
+# ``_to_bytes`` the properties use, is at most MAX_BYTES; ``setting_range`` gives the values that
+# pass, for the CLI to check its flags by the same rule.
+MAX_BYTES = 2**63 - 1
 
-def _number(name: str, value: object, allowed: str) -> float:
+# field -> (bytes per unit, unit, what the number is, an example value)
+_BYTE_SETTINGS: Dict[str, Tuple[int, str, str, str]] = {
+    "lms": (1024, "KB", "KB; <= 0 turns swapping off", "1000"),
+    "prefetch_mb": (2**20, "MiB", "MiB, >= 0", "4096"),
+    "host_budget_gb": (2**30, "GiB", "GiB, >= 0, or None for 80% of the free host memory", "64"),
+}
+_FRACTION = ("in [0, 1]", "0.75")     # lms_frac: what it is, an example
+
+
+def _to_bytes(value: float, unit: int) -> int:
+    return int(value * unit)
+
+
+def _largest(unit: int) -> float:
+    """The largest float whose byte count fits in MAX_BYTES."""
+    value = MAX_BYTES / unit
+    while _to_bytes(value, unit) > MAX_BYTES:
+        value = math.nextafter(value, 0.0)
+    return value
+
+
+def setting_range(field: str) -> Tuple[float, float]:
+    """The numbers a setting accepts, both ends included.
+
+    Example::
+
+        low, high = setting_range("prefetch_mb")    # (0.0, 8796093022207.999)
+    """
+    if field == "lms_frac":
+        return 0.0, 1.0
+    high = _largest(_BYTE_SETTINGS[field][0])
+    return (-high if field == "lms" else 0.0), high
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+
+
+def _check_number(field: str, value: object, name: str, var: bool) -> float:
+    """``value`` as a float within ``setting_range(field)``; TypeError or ValueError naming it
+    ``name`` (an environment variable if ``var``), saying what it may be and giving an example."""
+    what, example = _FRACTION if field == "lms_frac" else _BYTE_SETTINGS[field][2:]
+    got = f"got {_shown(value)}"
+    instead = (f"set it to e.g. {name}={example}, or unset it" if var else
+               f"give e.g. {name}={example}")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number ({allowed}), got {type(value).__name__} "
-                        f"{value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite ({allowed}), got {value!r}")
-    return float(value)
+        raise TypeError(f"{name} must be a number ({what}), got {type(value).__name__} "
+                        f"{_shown(value)}; {instead}")
+    if isinstance(value, numbers.Integral) and abs(int(value)) > MAX_BYTES:
+        number = math.inf if value > 0 else -math.inf     # 10**400: no float holds it
+    else:
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"{name} must be finite ({what}), {got}; {instead}")
+    low, high = setting_range(field)
+    if low <= number <= high:
+        return number
+    if field == "lms_frac":
+        raise ValueError(f"{name} must be in [0, 1], {got}; {instead}")
+    unit = _BYTE_SETTINGS[field][1]
+    if low == 0 and number < 0:
+        none = " or None" if field == "host_budget_gb" else ""
+        raise ValueError(f"{name} must be >= 0 {unit}{none}, {got}; {instead}")
+    raise ValueError(f"{name} must be in [{low:.6g}, {high:.6g}] {unit} (its byte count must fit "
+                     f"in 64 bits), {got}; {instead}")
+
+
+def _check_device(value: object) -> Optional[str]:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"device must be None or a string: 'cuda', 'cuda:N' or 'sim', got "
+                        f"{type(value).__name__} {value!r}")
+    cuda_index(value)
+    return value
+
+
+def _checked(field: str, value: object, var: Optional[str] = None) -> object:
+    """``value`` as ``field`` stores it; TypeError/ValueError naming the field, or the
+    environment variable ``var`` it came from, and saying what to give instead."""
+    if field == "device":
+        return _check_device(value)
+    if field == "host_budget_gb" and value is None:
+        return None
+    return _check_number(field, value, var or field, var is not None)
+
+
+def _parse_env(var: str, field: str, raw: str) -> object:
+    """The value of an ``LMSRT_*`` variable, as its field takes it."""
+    if field == "device":
+        return raw
+    try:
+        return float(raw)
+    except ValueError:
+        example = _FRACTION[1] if field == "lms_frac" else _BYTE_SETTINGS[field][3]
+        raise ValueError(f"{var}={raw!r} is not a number; set it to e.g. {var}={example}, or "
+                         "unset it") from None
 
 
 def cuda_index(spec: Optional[str]) -> Optional[int]:
@@ -59,6 +156,10 @@ class LMSConfig:
         device: ``"cuda"``, ``"cuda:N"``, ``"sim"`` (CPU tensors stand in for GPU ones, for tests)
             or ``None`` (the current CUDA device; without one LMS is a no-op).
 
+    ``lms``, ``prefetch_mb`` and ``host_budget_gb`` must convert to byte counts that fit in 64
+    bits (``setting_range``; NOTE [ Settings are checked as byte counts ]); anything else raises
+    ValueError, as do values that are not finite.
+
     Example::
 
         cfg = LMSConfig(lms=1000, lms_frac=0.4)
@@ -72,24 +173,8 @@ class LMSConfig:
     device: Optional[str] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "lms", _number("lms", self.lms, "KB; <= 0 turns swapping off"))
-        frac = _number("lms_frac", self.lms_frac, "in [0, 1]")
-        if not 0.0 <= frac <= 1.0:
-            raise ValueError(f"lms_frac must be in [0, 1], got {frac!r}")
-        object.__setattr__(self, "lms_frac", frac)
-        prefetch = _number("prefetch_mb", self.prefetch_mb, "MiB, >= 0")
-        if prefetch < 0:
-            raise ValueError(f"prefetch_mb must be >= 0 MiB, got {prefetch!r}")
-        object.__setattr__(self, "prefetch_mb", prefetch)
-        if self.host_budget_gb is not None:
-            budget = _number("host_budget_gb", self.host_budget_gb, "GiB, >= 0, or None for auto")
-            if budget < 0:
-                raise ValueError(f"host_budget_gb must be >= 0 GiB or None, got {budget!r}")
-            object.__setattr__(self, "host_budget_gb", budget)
-        if self.device is not None and not isinstance(self.device, str):
-            raise TypeError(f"device must be None or a string: 'cuda', 'cuda:N' or 'sim', got "
-                            f"{type(self.device).__name__} {self.device!r}")
-        cuda_index(self.device)
+        for field in ENV_VARS.values():
+            object.__setattr__(self, field, _checked(field, getattr(self, field)))
 
     @property
     def enabled(self) -> bool:
@@ -99,19 +184,23 @@ class LMSConfig:
     @property
     def min_bytes(self) -> int:
         """The smallest storage, in bytes, that may be swapped."""
-        return max(1, int(self.lms * 1024))
+        return max(1, _to_bytes(self.lms, _BYTE_SETTINGS["lms"][0])) if self.enabled else 1
 
     @property
     def prefetch_bytes(self) -> int:
-        return int(self.prefetch_mb * 2**20)
+        return _to_bytes(self.prefetch_mb, _BYTE_SETTINGS["prefetch_mb"][0])
 
     @property
     def host_budget_bytes(self) -> Optional[int]:
-        return None if self.host_budget_gb is None else int(self.host_budget_gb * 2**30)
+        if self.host_budget_gb is None:
+            return None
+        return _to_bytes(self.host_budget_gb, _BYTE_SETTINGS["host_budget_gb"][0])
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "LMSConfig":
         """Build a config from ``LMSRT_*`` variables (see ``ENV_VARS``); unset ones keep defaults.
+
+        Each variable is checked as its field is, and a bad one is named in the ValueError.
 
         Example::
 
@@ -122,15 +211,13 @@ class LMSConfig:
         values: dict = {}
         for var, field in ENV_VARS.items():
             raw = environ.get(var)
-            if raw is None or raw == "":
-                continue
-            if field == "device":
-                values[field] = raw
+            if raw is None or raw == "" or field in overrides:
                 continue
             try:
-                values[field] = float(raw)
-            except ValueError:
-                raise ValueError(f"{var}={raw!r} is not a number; set it to e.g. "
-                                 f"{var}={getattr(cls, field, 0) or 1}") from None
+                values[field] = _checked(field, _parse_env(var, field, raw), var)
+            except ValueError as e:
+                said = str(e)
+                raise ValueError(said if said.startswith(var) else f"{var}={raw!r}: {said}"
+                                 ) from None
         values.update(overrides)
         return cls(**values)
