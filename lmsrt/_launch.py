@@ -2,7 +2,10 @@
 
 LMS is enabled on the main thread before the script starts and stays active until it ends (the
 engine finds the step boundaries itself); the GPU cap is applied first, since LMS reads the memory
-it may use when it is created; at exit the stats go to a JSON file and the summary to stderr.
+it may use when it is created; at exit the stats go to a JSON file and the summary to stderr. The
+stats file is checked before anything starts and written whole or not at all (``lmsrt._output``).
+SIGTERM ends the script as ``sys.exit(143)`` would, so that its ``finally`` blocks run and the
+stats are written, with the status a shell reports for a process SIGTERM killed (128 + 15).
 
 ``lmsrt run`` calls ``start()`` in its own process for a single-process run. For a torchrun run,
 each worker calls ``start()`` from the bootstrap ``sitecustomize`` that the launcher puts first on
@@ -27,15 +30,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 import warnings
 from typing import Dict, List, Mapping, Optional
 
+from ._output import check_output_file, write_atomic
+
 __all__ = ["ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS", "ENV_BOOTSTRAP",
-           "ENV_LAUNCHER_PID", "Session", "StepClock", "check_gpu_limit", "start",
-           "stats_path_for_rank"]
+           "ENV_LAUNCHER_PID", "Session", "StepClock", "check_environment", "check_gpu_limit",
+           "start", "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
 ENV_STATS = "LMSRT_STATS"
@@ -113,9 +120,13 @@ class Session:
         self.world_size = world_size
         self.clock: Optional[StepClock] = None
         self._finished = False
+        self._sigterm = None         # the SIGTERM handler to put back, when start() replaced it
 
     def start(self) -> "Session":
         self.lms.__enter__()
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         if self.lms._engine is not None:
             # After __enter__, so the first time taken is the start of step 2: step 1 also holds
             # the script's set-up, which is no step time.
@@ -136,14 +147,18 @@ class Session:
         data["world_size"] = self.world_size
         return data
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
         """Turn LMS off, write the stats file, print the summary (rank 0), free pinned memory.
 
-        Runs once, whether the script returned, raised, or called ``sys.exit``.
+        Runs once, whether the script returned, raised, called ``sys.exit`` or got SIGTERM.
+        Returns False when the stats file could not be written (the reason is printed).
         """
         if self._finished:
-            return
+            return True
         self._finished = True
+        if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+            signal.signal(signal.SIGTERM, self._sigterm)   # a second SIGTERM ends it at once
+        written = True
         try:
             self.lms.__exit__(None, None, None)
         except Exception as e:   # the script left other saved-tensor hooks on the stack
@@ -152,23 +167,22 @@ class Session:
             if self.stats_path:
                 path = stats_path_for_rank(self.stats_path, self.rank)
                 try:
-                    _write_json(path, self.stats())
-                except OSError as e:   # the script's own exit status matters more
+                    write_atomic(path, lambda f: json.dump(self.stats(), f, indent=1))
+                except OSError as e:
+                    written = False
                     print(f"lmsrt: could not write the stats to {path} ({e}); give --stats a "
-                          "writable path.", file=sys.stderr)
+                          "path on a file system with room, that nothing else writes.",
+                          file=sys.stderr)
             if self.rank == 0 and self.lms.enabled:
                 sys.stdout.flush()
                 print(self.lms.summary(), file=sys.stderr, flush=True)
         finally:
             self.lms.close()
+        return written
 
 
-def _write_json(path: str, data: Mapping[str, object]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)   # a reader never sees half a file
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _cuda_index(device: Optional[str]) -> Optional[int]:
@@ -208,6 +222,8 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
     Arguments left None come from ``environ`` (``LMSRT_STATS``, ``LMSRT_GPU_LIMIT_GB``, and the
     LMS settings through ``LMS.from_env``). The device is ``LMSRT_DEVICE`` if set, else
     ``cuda:LOCAL_RANK`` under torchrun (made the current device), else the current CUDA device.
+    Raises ValueError, before anything starts, for a bad setting or a stats file that cannot be
+    written.
 
     Example::
 
@@ -219,6 +235,13 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
 
     environ = os.environ if environ is None else environ
     max_steps = _max_steps(environ)
+    rank = int(environ.get("RANK", 0) or 0)
+    stats_path = stats_path or environ.get(ENV_STATS) or None
+    if stats_path:
+        try:
+            check_output_file(stats_path_for_rank(stats_path, rank))
+        except ValueError as e:
+            raise ValueError(f"--stats {e}") from None
     overrides = dict(lms_overrides or {})
     local_rank = environ.get("LOCAL_RANK")
     if ("device" not in overrides and not environ.get("LMSRT_DEVICE") and local_rank is not None
@@ -228,22 +251,44 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
         # picks its device would create a CUDA context on GPU 0 in every rank.
         torch.cuda.set_device(int(local_rank))
     device = overrides.get("device") or environ.get("LMSRT_DEVICE")
-    if gpu_limit_gb is None and environ.get(ENV_GPU_LIMIT):
-        try:
-            gpu_limit_gb = float(environ[ENV_GPU_LIMIT])
-        except ValueError:
-            raise ValueError(f"{ENV_GPU_LIMIT}={environ[ENV_GPU_LIMIT]!r} is not a number of "
-                             f"GiB; set it to e.g. {ENV_GPU_LIMIT}=12") from None
+    if gpu_limit_gb is None:
+        gpu_limit_gb = _env_gpu_limit(environ)
     if gpu_limit_gb is not None and device != "sim":
         index = _cuda_index(device)
         fraction = check_gpu_limit(gpu_limit_gb, index)
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, index)
     lms = LMS.from_env(**overrides)
-    session = Session(lms, stats_path=stats_path or environ.get(ENV_STATS) or None,
-                      rank=int(environ.get("RANK", 0) or 0),
+    session = Session(lms, stats_path=stats_path, rank=rank,
                       world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps)
     return session.start()
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None,
+                      lms_overrides: Optional[dict] = None) -> None:
+    """Raise ValueError, saying what to set instead, for ``LMSRT_*`` variables that ``start()``
+    would refuse: what ``lmsrt run`` checks before it hands over to torchrun, whose workers would
+    each fail alone."""
+    from .config import LMSConfig
+
+    environ = os.environ if environ is None else environ
+    LMSConfig.from_env(environ, **(lms_overrides or {}))
+    _max_steps(environ)
+    _env_gpu_limit(environ)
+
+
+def _env_gpu_limit(environ: Mapping[str, str]) -> Optional[float]:
+    raw = environ.get(ENV_GPU_LIMIT)
+    if not raw:
+        return None
+    try:
+        limit = float(raw)
+    except ValueError:
+        limit = math.nan
+    if not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"{ENV_GPU_LIMIT}={raw!r} is not a number of GiB > 0; set it to e.g. "
+                         f"{ENV_GPU_LIMIT}=12, or unset it")
+    return limit
 
 
 def _max_steps(environ: Mapping[str, str]) -> Optional[int]:

@@ -41,9 +41,11 @@ import sys
 import time
 from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple
 
+from ._output import check_output_dir, check_output_file, write_atomic
+
 __all__ = ["Trial", "Sweep", "AUTO_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
            "grid_search", "classify", "with_param", "pareto_front", "best_trial", "run_command",
-           "write_results", "write_plot"]
+           "check_out_dir", "write_results", "write_plot"]
 
 AUTO_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
 GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))    # --grid without a list: 0, 0.1, ..., 1
@@ -57,6 +59,7 @@ _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
 _SUMMARY_START = "lmsrt  lms="
 _TAIL_BYTES = 64 << 10
 _LOG_NAME = re.compile(r"^\d{3,}\.(out|err|stats\.json)$")   # trials/001.out, 001.stats.json, ...
+_OUTPUTS = ("results.json", "results.csv", "tune.png")          # in the out dir, beside trials/
 
 # A search yields the (lms, lms_frac) to try next and is sent the finished trial.
 Search = Generator[Tuple[float, float], "Trial", None]
@@ -229,6 +232,16 @@ def _read_stats(trial: Trial, path: str, steps: int) -> None:
         trial.error = f"the script ended by itself after {trial.steps} of {steps} steps"
 
 
+def check_out_dir(out_dir: str) -> None:
+    """Raise ValueError, saying what to give instead, unless a sweep can write all its outputs
+    in ``out_dir`` (created if missing): see NOTE [ Output files ] in ``lmsrt._output``."""
+    check_output_dir(out_dir)
+    check_output_dir(os.path.join(out_dir, "trials"))
+    for name in _OUTPUTS:
+        check_output_file(os.path.join(out_dir, name),
+                          instead="Move it away, or give another --out directory")
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         # The whole group: torchrun's workers and data-loader workers hold GPU memory too.
@@ -381,7 +394,7 @@ def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
     }
     paths = {"json": os.path.join(sweep.out_dir, "results.json"),
              "csv": os.path.join(sweep.out_dir, "results.csv")}
-    _replace(paths["json"], lambda f: json.dump(data, f, indent=1))
+    write_atomic(paths["json"], lambda f: json.dump(data, f, indent=1))
 
     names = [name for name, _ in sweep.params]
 
@@ -399,16 +412,8 @@ def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
                         int(t.id in front), int(best is not None and t.id == best.id), t.error,
                         command(t)])
 
-    _replace(paths["csv"], rows, newline="")
+    write_atomic(paths["csv"], rows, newline="")
     return paths
-
-
-def _replace(path: str, write: Callable, newline: Optional[str] = None) -> None:
-    """Write through a temporary file, so that a reader (or a Ctrl-C) never leaves half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline=newline) as f:
-        write(f)
-    os.replace(tmp, path)
 
 
 def write_plot(sweep: Sweep, path: str) -> Optional[str]:
@@ -450,5 +455,5 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
     ax.set_title(f"lmsrt tune: {os.path.basename(sweep.script)} (labels: lms/lms_frac)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.savefig(path, bbox_inches="tight")
+    write_atomic(path, lambda f: fig.savefig(f, format="png", bbox_inches="tight"), binary=True)
     return None

@@ -3,20 +3,26 @@
 In-process runs go through click's CliRunner; what only a real process shows (exit status,
 stderr, torchrun, the worker bootstrap) runs `python -m lmsrt` in a subprocess.
 """
+import errno
 import json
 import os
+import signal
+import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner, Result
 
+import lmsrt._launch
 from lmsrt import arena
 from lmsrt._cli import main
 from lmsrt._cli.run import BOOTSTRAP_DIR
+from lmsrt._output import check_output_file, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,25 +119,54 @@ def test_module_mode(tmp_path, monkeypatch):
 
 # -- bad input: exit status 2 and a message, before the script starts -----------------------------
 
+def no_exec(*args):
+    raise AssertionError(f"lmsrt run handed over to torchrun: {args}")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--lms-frac", "1.5"], "is not in [0, 1]"),
     (["--lms-frac", "-0.1"], "is not in [0, 1]"),
+    (["--lms-frac", "nan"], "nan is not a finite number"),
     (["--lms", "abc"], "'abc' is not a number"),
-    (["--prefetch-mb", "-5"], "is not >= 0"),
+    (["--lms", "inf"], "inf is not a finite number; give the size threshold in KB"),
+    (["--lms", "nan"], "nan is not a finite number"),
+    (["--lms", "1e308"], "1e308 is not in [-9.0072e+15, 9.0072e+15]"),     # 1e308 KB: inf bytes
+    (["--prefetch-mb", "-5"], "-5 is not in [0, 8.79609e+12]"),
+    (["--prefetch-mb", "1e308"], "1e308 is not in [0, 8.79609e+12]; give MiB"),
     (["--host-budget-gb", "lots"], "is not a number"),
+    (["--host-budget-gb", "1e300"], "1e300 is not in [0, 8.58993e+09]"),
     (["--gpu-limit", "0"], "is not > 0"),
     (["--gpu-limit", "-2"], "is not > 0"),
     (["--gpu-limit", "12GB"], "is not a number"),
+    (["--gpu-limit", "inf"], "inf is not a finite number"),
     (["--bogus"], "no such option '--bogus'"),
     (["--node-rank", "first"], "is not a valid integer"),
+    # torchrun's options, checked before the hand-over (torchrun ended in a traceback, exit 1)
+    (["--nproc-per-node", "abc"], "'abc' is not a number of workers >= 1, or auto, cpu, gpu"),
+    (["--nproc-per-node", "0"], "is not a number of workers >= 1"),
+    (["--nnodes", "2:1"], "'2:1' is not N or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "x"], "'x' is not N or MIN:MAX"),
+    (["--master-port", "70000"], "70000 is not in the range"),
+    (["--redirects", "7"], "'7' is not 0-3 or LOCAL_RANK:N"),
+    (["--tee", "0:9"], "'0:9' is not 0-3 or LOCAL_RANK:N"),
+    (["--local-ranks-filter", "a"], "'a' is not local ranks separated by commas"),
+    (["--monitor-interval", "inf"], "inf is not a finite number"),
 ])
-def test_bad_option_exits_2_before_the_script(tmp_path, args, message):
+def test_bad_option_exits_2_before_the_script(tmp_path, monkeypatch, args, message):
+    monkeypatch.setattr(os, "execv", no_exec)
     marker = tmp_path / "ran"
     script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
     result = invoke("run", *args, script)
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not marker.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_nproc_per_node_gpu_without_one_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "execv", no_exec)
+    result = invoke("run", "--nproc-per-node", "gpu", write(tmp_path / "s.py", ""))
+    assert result.exit_code == 2 and "this machine has none" in result.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -149,6 +184,24 @@ def test_bad_env_setting_exits_2(tmp_path):
     script = write(tmp_path / "s.py", "")
     result = CliRunner().invoke(main, ["run", script], env=clean_env(LMSRT_LMS_FRAC="lots"))
     assert result.exit_code == 2 and "LMSRT_LMS_FRAC='lots' is not a number" in result.output
+
+
+@pytest.mark.parametrize("torchrun", [[], ["--nproc-per-node", "2"]])
+@pytest.mark.parametrize("var, value, message", [
+    ("LMSRT_LMS", "1e306", "LMSRT_LMS must be in [-9.0072e+15, 9.0072e+15] KB"),
+    ("LMSRT_PREFETCH_MB", "1e308", "LMSRT_PREFETCH_MB must be in [0, 8.79609e+12] MiB"),
+    ("LMSRT_GPU_LIMIT_GB", "nan", "LMSRT_GPU_LIMIT_GB='nan' is not a number of GiB > 0"),
+])
+def test_huge_env_setting_exits_2_before_the_script(tmp_path, monkeypatch, torchrun, var, value,
+                                                    message):
+    # Under torchrun the launcher checks them: each worker would otherwise fail alone.
+    monkeypatch.setattr(os, "execv", no_exec)
+    marker = tmp_path / "ran"
+    script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
+    result = CliRunner().invoke(main, ["run", *torchrun, script], env=clean_env(**{var: value}))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and f"e.g. {var}=" in result.output
+    assert not marker.exists()
 
 
 @pytest.mark.cuda
@@ -192,6 +245,207 @@ def test_script_exit_status_propagates(tmp_path, body, status):
     result = invoke("run", "--lms", "1", "--lms-frac", "0", "--stats", str(stats), script, "2")
     assert result.exit_code == status, result.output
     assert json.loads(stats.read_text())["total"]["out_bytes"] > 0   # written however it ended
+
+
+def test_stats_write_that_fails_keeps_the_old_file_and_fails_the_run(tmp_path, monkeypatch):
+    stats = tmp_path / "stats.json"
+    stats.write_text('{"old": 1}')
+
+    def half_then_disk_full(data, f, **kwargs):
+        f.write('{"enabled": tr')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lmsrt._launch.json, "dump", half_then_disk_full)
+    script = write(tmp_path / "mlp.py", MLP_SCRIPT)
+    result = invoke("run", "--lms", "1", "--lms-frac", "0", "--stats", str(stats), script, "2")
+    assert result.exit_code == 1, result.output          # the script's 0 would claim stats
+    assert "could not write the stats" in result.output and "No space left" in result.output
+    assert stats.read_text() == '{"old": 1}'                 # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.py", "stats.json"]   # no temp
+
+
+def special_stats_path(tmp_path: Path, kind: str) -> Path:
+    """Something at the --stats path that is not a regular file, or a path nothing can create."""
+    path = tmp_path / "stats.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        (tmp_path / "target.json").write_text("keep")
+        path.symlink_to(tmp_path / "target.json")
+    elif kind == "dangling symlink":
+        path.symlink_to(tmp_path / "nowhere.json")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "under a file":
+        (tmp_path / "file").write_text("keep")
+        path = tmp_path / "file" / "stats.json"
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("fifo", "is a FIFO, not a regular file; lmsrt writes only regular files"),
+    ("symlink", "is a symlink; lmsrt does not write through links"),
+    ("dangling symlink", "is a symlink"),
+    ("directory", "is a directory, not a regular file"),
+    ("under a file", "is a file, not a directory"),
+])
+def test_stats_path_that_is_no_regular_file_exits_2_before_the_script(tmp_path, kind, message):
+    path = special_stats_path(tmp_path, kind)
+    before = os.lstat(path).st_mode if os.path.lexists(path) else None
+    marker = tmp_path / "ran"
+    script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
+    result = invoke("run", "--stats", str(path), script)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--stats'" in result.output and message in result.output
+    assert not marker.exists()                        # refused before the script, not after it
+    assert (os.lstat(path).st_mode if os.path.lexists(path) else None) == before
+    if kind == "symlink":
+        assert (tmp_path / "target.json").read_text() == "keep"
+
+
+def test_stats_path_refused_in_a_worker(tmp_path):
+    # A torchrun worker checks its own FILE.rank{r} as it starts (the launcher sees only FILE).
+    os.mkfifo(tmp_path / "stats.json.rank1")
+    env = clean_env(LMSRT_STATS=str(tmp_path / "stats.json"), RANK="1")
+    with pytest.raises(ValueError, match=r"--stats .*stats.json.rank1 is a FIFO"):
+        lmsrt._launch.start(env)
+
+
+# Trains 2 steps, then waits to be killed; says where it is on stdout.
+WAIT_SCRIPT = MLP_SCRIPT + textwrap.dedent("""
+    import time
+    try:
+        print("READY", flush=True)
+        time.sleep(120)
+    finally:
+        print("FINALLY", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["lmsrt run", "torchrun worker"])
+def test_sigterm_writes_the_stats_and_exits_143(tmp_path, how):
+    script = write(tmp_path / "wait.py", WAIT_SCRIPT)
+    stats = tmp_path / "stats.json"
+    if how == "lmsrt run":
+        argv = [sys.executable, "-m", "lmsrt", "run", "--lms", "1", "--lms-frac", "0", "--stats",
+                str(stats), script, "2"]
+        env = clean_env()
+    else:   # what torchrun starts: python SCRIPT with the bootstrap first on PYTHONPATH
+        argv = [sys.executable, script, "2"]
+        env = clean_env(LMSRT_BOOTSTRAP="1", LMSRT_LMS="1", LMSRT_LMS_FRAC="0",
+                        LMSRT_STATS=str(stats), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, env["PYTHONPATH"]])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout.readline().startswith("step 0")
+        while not proc.stdout.readline().startswith("READY"):
+            pass
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr                     # what a shell shows for SIGTERM
+    assert "FINALLY" in stdout                                 # the script's finally ran
+    assert json.loads(stats.read_text())["total"]["steps"] == 2
+
+
+# -- writing output files -------------------------------------------------------------------------
+
+def test_write_atomic_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    path.chmod(0o640)
+
+    def fails_midway(f):
+        f.write("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(str(path), fails_midway)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+    write_atomic(str(path), lambda f: f.write("new"))
+    assert path.read_text() == "new" and stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_write_atomic_leaves_what_appeared_at_the_path(tmp_path):
+    path = tmp_path / "out.json"
+    assert check_output_file(str(path)) == str(path)           # nothing there yet: fine
+
+    def fifo_appears(f):
+        os.mkfifo(path)                                         # during the run, say
+        f.write("data")
+
+    with pytest.raises(OSError, match="is a FIFO now"):
+        write_atomic(str(path), fifo_appears)
+    assert stat.S_ISFIFO(os.lstat(path).st_mode) and os.listdir(tmp_path) == ["out.json"]
+
+
+# -- lmsrt profile: a script that fails ends as under python --------------------------------------
+
+PROFILED = textwrap.dedent("""
+    import sys
+    import torch
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("bad backward")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.fc(x)
+            WHERE_FORWARD
+            return Fails.apply(y) if HOW == "backward" else y
+
+    HOW = sys.argv[1]
+    WHERE_START
+    Net()(torch.randn(4, 8)).sum().backward()
+""")
+
+
+@pytest.mark.parametrize("how, status, says", [
+    ("backward", 1, ["RuntimeError: bad backward", "partial: the script raised RuntimeError in "
+                     "backward\n"]),
+    ("exit_message", 1, ["stopped by the script\n", "ended before step 1 began"]),
+    ("exit_3", 3, ["ended before step 1 began"]),
+    ("exit_in_forward", 4, ["partial: the script exited with status 4 in forward of Net (Net)"]),
+    ("ctrl_c", 130, ["KeyboardInterrupt", "interrupted in forward of Net (Net); no report"]),
+])
+def test_profile_reports_how_and_where_the_script_failed(tmp_path, how, status, says):
+    body = {"exit_message": "sys.exit('stopped by the script')", "exit_3": "sys.exit(3)"}
+    forward = {"exit_in_forward": "sys.exit(4)", "ctrl_c": "raise KeyboardInterrupt"}
+    script = write(tmp_path / "net.py", PROFILED.replace("WHERE_START", body.get(how, "pass"))
+                   .replace("WHERE_FORWARD", forward.get(how, "pass")))
+    result = invoke("profile", script, how)
+    assert result.exit_code == status, result.output
+    for text in says:
+        assert text in result.output
+    assert "runpy" not in result.output and "lmsrt/_cli" not in result.output
+    assert "no backward was seen" not in result.output or how != "backward"
+    assert ("lmsrt memory report" in result.output) == (how in ("backward", "exit_in_forward"))
+
+
+def test_profile_checks_its_output_paths_before_the_script(tmp_path):
+    marker = tmp_path / "ran"
+    script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
+    os.mkfifo(tmp_path / "fifo")
+    write(tmp_path / "file", "keep")
+    for flag, path, message in (("--html", tmp_path / "file" / "r.html", "is a file, not a dir"),
+                                ("--png", tmp_path / "fifo", "is a FIFO"),
+                                ("--snapshot", tmp_path, "is a directory")):
+        result = invoke("profile", flag, str(path), script)
+        assert result.exit_code == 2, result.output
+        assert f"Invalid value for '{flag}'" in result.output and message in result.output
+        assert not marker.exists()
 
 
 def test_script_traceback_is_the_scripts(tmp_path):

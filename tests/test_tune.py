@@ -9,6 +9,7 @@ Each trial is a process that imports torch (about 2 s): keep the trials few.
 import csv
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -321,23 +322,64 @@ def test_ctrl_c_keeps_the_finished_trials(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--lms", "1000,abc"], "'abc' is not a number"),
-    (["--lms", "0"], "0 is not > 0"),
+    (["--lms", "0"], "0 is not in (0, 9.0072e+15]"),
     (["--lms", "1,,2"], "has an empty item"),
+    (["--lms", "1000,inf"], "inf is not a finite number"),
+    (["--lms", "nan"], "nan is not a finite number"),
+    (["--lms", "1,1e308"], "1e308 is not in (0, 9.0072e+15]"),    # each trial's lmsrt run exit 2
     (["--lms-frac", "0,1.5"], "1.5 is not in [0, 1]"),
+    (["--lms-frac", "-0.5"], "-0.5 is not in [0, 1]"),
+    (["--lms-frac", "0,nan"], "nan is not a finite number"),
+    (["--lms-frac", "inf"], "inf is not a finite number"),
     (["--lms-frac", "lots"], "'lots' is not a number"),
     (["--param", "batch-size"], "is not NAME=V1,V2"),
     (["--param", "batch-size="], "is not NAME=V1,V2"),
     (["--param", "=8"], "is not NAME=V1,V2"),
     (["--param", "bs=1", "--param", "bs=2"], "names a flag twice"),
     (["--steps", "0"], "0 is not in the range"),
+    (["--steps", "2.5"], "'2.5' is not a valid integer"),
     (["--timeout", "0"], "is not > 0"),
+    (["--timeout", "nan"], "nan is not a finite number"),
     (["--gpu-limit", "-1"], "is not > 0"),
+    (["--gpu-limit", "inf"], "inf is not a finite number"),
 ])
 def test_bad_flags_exit_2(tmp_path, args, message):
     out = tmp_path / "out"
     result = tune(*args, "--out", str(out), script(tmp_path, ""))
     assert result.exit_code == 2 and message in result.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("what, message", [
+    ("/dev/null", "/dev/null is a character device, not a directory"),
+    ("a file", "out is a file, not a directory; give a directory, or a path where one can be"),
+    ("under a file", "file is a file, not a directory"),
+    ("fifo results", "results.json is a FIFO, not a regular file; lmsrt writes only regular "
+                     "files, replacing them whole. Move it away, or give another --out"),
+    ("symlink plot", "tune.png is a symlink; lmsrt does not write through links"),
+    ("file trials", "trials is a file, not a directory"),
+])
+def test_out_that_cannot_take_the_results_exits_2_before_any_trial(tmp_path, what, message):
+    out = tmp_path / "out"
+    if what == "/dev/null":
+        out = "/dev/null"
+    elif what == "a file":
+        out.write_text("keep")
+    elif what == "under a file":
+        (tmp_path / "file").write_text("keep")
+        out = tmp_path / "file" / "out"
+    else:
+        out.mkdir()
+        if what == "fifo results":
+            os.mkfifo(out / "results.json")
+        elif what == "symlink plot":
+            (out / "tune.png").symlink_to(tmp_path / "elsewhere.png")
+        else:
+            (out / "trials").write_text("keep")
+    result = tune("--timeout", "5", "--out", str(out), script(tmp_path, ""))
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--out'" in result.output and message in result.output
+    assert "trial 1" not in result.output
 
 
 @pytest.mark.parametrize("args, message", [

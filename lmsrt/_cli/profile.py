@@ -4,44 +4,53 @@ The script runs here through runpy, unmodified, as ``python script.py`` would ru
 recorder's hooks installed globally (every module's forward, every optimizer's step, a saved-tensors
 hook pair on this thread). It is stopped once the profiled step is over, and the report is printed:
 per-module table, peak and where it happens, the largest layer, and whether the step fits the GPU
-or what LMS settings to start with.
+or what LMS settings to start with. A script that fails ends as under python: its traceback (the
+frames of lmsrt and runpy left out), the message of ``sys.exit("...")``, its exit status, 130
+after Ctrl-C; the report then says where in the step it failed. Output files are checked before
+the script starts and written whole (NOTE [ Output files ] in ``lmsrt._output``).
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
-import traceback
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import click
 import torch
 
-from .. import _launch
+from .. import _launch, _timeline
+from .._output import check_output_file, write_atomic
 from .._recorder import StepDone, StepRecorder
 from .._timeline import MATPLOTLIB_MISSING
 from ..report import build_report
+from .run import _Number, _print_script_traceback
 
 __all__ = ["command"]
 
-_GIB = click.FloatRange(min=0, min_open=True)
+# Where autograd's backward starts, in a traceback: an exception that passed one was raised in
+# backward, though the recorder may not have seen the backward begin (it sees saved tensors used).
+_BACKWARD_ENTRIES = {("torch.autograd", "backward"), ("torch.autograd", "grad"),
+                     ("torch._tensor", "backward")}
 
 
 @click.command("profile", context_settings=dict(allow_interspersed_args=False))
-@click.option("--gpu-limit", type=_GIB, metavar="GIB",
+@click.option("--gpu-limit", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
+                                          "--gpu-limit 8"), metavar="GIB",
               help="Cap this process's GPU memory at GIB, as a smaller GPU would; if the step "
               "runs out of memory the report says where.")
-@click.option("--gpu-size", type=_GIB, metavar="GIB",
+@click.option("--gpu-size", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
+                                         "--gpu-size 8"), metavar="GIB",
               help="GPU size for the verdict (default: what this process may use of this "
               "GPU). Without a GPU: the size to predict for, e.g. --gpu-size 8.")
 @click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Profile the Nth step (from the 2nd on, optimizer state of earlier steps "
               "is there).")
-@click.option("--html", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--html", type=click.Path(), metavar="FILE",
               help="Also write the report as a self-contained HTML page.")
-@click.option("--png", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--png", type=click.Path(), metavar="FILE",
               help="Also write the memory timeline as a PNG (needs matplotlib).")
-@click.option("--snapshot", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--snapshot", type=click.Path(), metavar="FILE",
               help="Also write PyTorch's memory snapshot of the step, for "
               "pytorch.org/memory_viz (CUDA only).")
 @click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
@@ -65,31 +74,44 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     script, args = target_and_args[0], list(target_and_args[1:])
     if not os.path.isfile(script):
         raise click.UsageError(f"script {script!r} does not exist; give the path of a Python file.")
+    # Absolute, in case the script changes directory.
+    html, png, snapshot = (_output_path(p, flag) for p, flag in
+                           ((html, "--html"), (png, "--png"), (snapshot, "--snapshot")))
     if gpu_limit is not None:
         _apply_gpu_limit(gpu_limit)
-    # Absolute, in case the script changes directory.
-    html, png, snapshot = (os.path.abspath(p) if p else None for p in (html, png, snapshot))
-    rec, status = _run_step(script, args, steps, snapshot)
+    rec, status, where = _run_step(script, args, steps, snapshot)
+    if status == 130:
+        raise SystemExit(130)          # Ctrl-C: stop, as python would; no report
     if not rec.done:
-        raise click.ClickException(
-            f"{script} ended before step {steps} began (it started {rec.step}). The script must "
-            "train a module with gradients enabled; ask for fewer --steps, or check the "
-            "script's arguments.")
+        click.echo(f"lmsrt profile: {script} ended before step {steps} began (it started "
+                   f"{rec.step}). The script must train a module with gradients enabled; ask "
+                   "for fewer --steps, or check the script's arguments.", err=True)
+        raise SystemExit(status or 1)
     if gpu_size is None and not rec.measured:
         gpu_size = gpu_limit       # no GPU to cap: predict for a GPU of that size instead
     report = build_report(rec, f"{type(rec.root).__name__} in {os.path.basename(script)}",
                           gpu_size)
     report.script = " ".join([script, *args])
-    if not rec.backward_seen:
+    if not rec.backward_seen and not where.startswith(_IN_BACKWARD):
         report.notes.append("no backward was seen: the figures cover forward only.")
     click.echo(f"\n{report}")
-    if png and not report.save_png(png):
-        click.echo(f"lmsrt: {MATPLOTLIB_MISSING}", err=True)
-    elif png:
-        click.echo(f"wrote the timeline to {png}")
+    outputs = []
+    if png:
+        data = report.png_bytes()
+        if data is None:
+            click.echo(f"lmsrt: {MATPLOTLIB_MISSING}", err=True)
+        else:
+            outputs.append((png, "the timeline", data))
     if html:
-        report.save_html(html)
-        click.echo(f"wrote the report to {html}")
+        outputs.append((html, "the report", _timeline.html(report).encode()))
+    for path, what, data in outputs:
+        try:
+            write_atomic(path, lambda f: f.write(data), binary=True)
+            click.echo(f"wrote {what} to {path}")
+        except OSError as e:
+            click.echo(f"lmsrt: could not write {what} to {path} ({e}); give a path on a file "
+                       "system with room.", err=True)
+            status = status or 1
     if snapshot and rec.measured:
         click.echo(f"wrote the memory snapshot to {snapshot} (open it in pytorch.org/memory_viz)")
     elif snapshot:
@@ -111,11 +133,48 @@ def _apply_gpu_limit(limit_gb: float) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction)
 
 
-def _run_step(script: str, args: List[str], steps: int, snapshot: Optional[str]):
-    """Run ``script`` until step ``steps`` is over; return the recorder and an exit status."""
+def _output_path(path: Optional[str], flag: str) -> Optional[str]:
+    if not path:
+        return None
+    try:
+        return check_output_file(path)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=f"'{flag}'") from None
+
+
+_IN_BACKWARD = "in backward"
+
+
+def _where(rec: StepRecorder, e: BaseException) -> str:
+    """Where in the step ``e`` was raised: ``in forward of net.3 (Conv2d)``, ``in backward``..."""
+    where = rec.where_failed(e)
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in _BACKWARD_ENTRIES:
+            return f"in {where}" if where.startswith("backward") else _IN_BACKWARD
+        tb = tb.tb_next
+    return f"in {where}"
+
+
+def _exit_status(code: object) -> int:
+    """The status python exits with for ``sys.exit(code)``, printing a message code as it does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    sys.stdout.flush()
+    print(code, file=sys.stderr, flush=True)
+    return 1
+
+
+def _run_step(script: str, args: List[str], steps: int,
+              snapshot: Optional[str]) -> Tuple[StepRecorder, int, str]:
+    """Run ``script`` until step ``steps`` is over; return the recorder, an exit status, and
+    where the script failed (``""`` if it did not)."""
     rec = StepRecorder(target=steps, stop=True, snapshot=snapshot)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    status: object = 0
+    status, where = 0, ""
     click.echo(f"lmsrt profile: running {script} to the end of step {steps}")
     try:
         # sys.argv and sys.path[0] as `python script.py` would set them.
@@ -126,25 +185,27 @@ def _run_step(script: str, args: List[str], steps: int, snapshot: Optional[str])
     except StepDone:
         pass
     except SystemExit as e:
-        status = 0 if e.code is None else e.code
+        status = _exit_status(e.code)
+        if status:
+            where = _where(rec, e)
+            rec.finish(error=f"the script exited with status {status} {where}")
+    except KeyboardInterrupt as e:
+        _print_script_traceback(e)
+        where = _where(rec, e)
+        click.echo(f"lmsrt profile: interrupted {where}; no report.", err=True)
+        status = 130
     except torch.OutOfMemoryError as e:
+        where = _where(rec, e)
         said = ". ".join(str(e).split(". ")[:2]) or "CUDA out of memory"
-        rec.finish(error=f"ran out of GPU memory in {rec.where_failed(e)}: {said}")
+        rec.finish(error=f"ran out of GPU memory {where}: {said}")
         status = 1
     except BaseException as e:
         _print_script_traceback(e)
-        rec.finish(error=f"the script raised {type(e).__name__} in {rec.where_failed(e)}")
+        where = _where(rec, e)
+        rec.finish(error=f"the script raised {type(e).__name__} {where}")
         status = 1
     finally:
         sys.argv[:], sys.path[:] = saved_argv, saved_path
     rec.finish()     # a script that ends inside the step (one step, no optimizer) ends it
-    return rec, status
+    return rec, status, where
 
-
-def _print_script_traceback(e: BaseException) -> None:
-    """The traceback python would print, without the frames of lmsrt and runpy above the script."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
-        tb = tb.tb_next
-    sys.stdout.flush()
-    traceback.print_exception(type(e), e, tb, file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import runpy
 import sys
 import traceback
@@ -19,6 +20,8 @@ from typing import Dict, List, Optional, Sequence
 import click
 
 from .. import _launch
+from .._output import check_output_file
+from ..config import setting_range
 
 __all__ = ["command"]
 
@@ -26,7 +29,7 @@ BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boots
 
 
 class _Number(click.ParamType):
-    """A float within bounds, whose error message says what to give instead."""
+    """A finite float within bounds, whose error message says what to give instead."""
 
     name = "number"
 
@@ -34,53 +37,111 @@ class _Number(click.ParamType):
                  low_open: bool = False, example: str = ""):
         self.low, self.high, self.low_open, self.example = low, high, low_open, example
 
+    @classmethod
+    def setting(cls, field: str, example: str) -> "_Number":
+        """The values an LMS setting accepts (``lmsrt.config.setting_range``)."""
+        low, high = setting_range(field)
+        return cls(low, high, example=example)
+
     def convert(self, value, param, ctx) -> float:
         try:
             x = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number; {self.example}", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value} is not a finite number; {self.example}", param, ctx)
         too_low = self.low is not None and (x <= self.low if self.low_open else x < self.low)
         too_high = self.high is not None and x > self.high
-        if not math.isfinite(x) or too_low or too_high:
+        if too_low or too_high:
             self.fail(f"{value} is not {self._range()}; {self.example}", param, ctx)
         return x
 
     def _range(self) -> str:
-        if self.high is not None:
-            return f"in [{self.low:g}, {self.high:g}]"
-        return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:.6g}, {self.high:.6g}]"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:.6g}"
+        return f"<= {self.high:.6g}"
 
 
-# The torchrun options accepted before the script: (name, click type, help); type None is a flag.
-# Their underscore spellings (--nproc_per_node) work too: the context normalizes "_" to "-".
+class _Choice(click.ParamType):
+    """A string matching ``pattern``, whose error message says what to give instead."""
+
+    name = "text"
+
+    def __init__(self, pattern: str, example: str, check=None):
+        self.pattern, self.example, self.check = re.compile(pattern), example, check
+
+    def convert(self, value, param, ctx) -> str:
+        value = str(value)
+        if not self.pattern.fullmatch(value):
+            self.fail(f"{value!r} is not {self.example}", param, ctx)
+        why_not = self.check(value) if self.check else None
+        if why_not:
+            self.fail(why_not, param, ctx)
+        return value
+
+
+def _nproc_available(value: str) -> Optional[str]:
+    if value in ("gpu", "xpu"):
+        import torch
+
+        backend = getattr(torch, "cuda" if value == "gpu" else "xpu", None)
+        if backend is None or not backend.is_available():
+            return (f"{value!r} starts one worker per {value.upper()}, and this machine has "
+                    "none; give a number of workers, e.g. --nproc-per-node 2, or cpu")
+    return None
+
+
+def _nnodes_ordered(value: str) -> Optional[str]:
+    low, _, high = value.partition(":")
+    if int(low) < 1 or (high and int(high) < int(low)):
+        return f"{value!r} is not N or MIN:MAX with 1 <= MIN <= MAX; e.g. --nnodes 2 or 1:4"
+    return None
+
+
+_STD = _Choice(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", "0-3 or LOCAL_RANK:N,... (N in 0-3); e.g. 3 "
+              "or 0:3,1:0")
+
+# The torchrun options accepted before the script: (name, click type, metavar, help); type None
+# is a flag. Each is checked here as torchrun would check it, so that a bad value exits 2 before
+# the hand-over instead of ending torchrun in a traceback. Their underscore spellings
+# (--nproc_per_node) work too: the context normalizes "_" to "-".
 _TORCHRUN_OPTIONS = (
-    ("nproc-per-node", str, "Worker processes per node: a number, or gpu, cpu, auto."),
-    ("nnodes", str, "Number of nodes, or MIN:MAX."),
-    ("node-rank", int, "Rank of this node."),
-    ("master-addr", str, "Address of the rank-0 node (static rendezvous)."),
-    ("master-port", int, "Port on the rank-0 node (static rendezvous)."),
-    ("rdzv-backend", str, "Rendezvous backend, e.g. c10d."),
-    ("rdzv-endpoint", str, "Rendezvous endpoint, HOST:PORT."),
-    ("rdzv-id", str, "Rendezvous (job) id."),
-    ("rdzv-conf", str, "Rendezvous settings, KEY=VALUE,..."),
-    ("standalone", None, "Single node with a local rendezvous on a free port."),
-    ("max-restarts", int, "Worker group restarts before failing."),
-    ("monitor-interval", float, "Seconds between checks of the workers."),
-    ("log-dir", str, "Directory for the workers' logs."),
-    ("redirects", str, "Redirect worker std streams to log files (0-3, or RANK:N,...)."),
-    ("tee", str, "Tee worker std streams to log files and the console (0-3)."),
-    ("local-ranks-filter", str, "Show the output of these local ranks only, e.g. 0."),
-    ("local-addr", str, "Address of this node."),
+    ("nproc-per-node", _Choice(r"[1-9]\d*|auto|cpu|gpu|xpu", "a number of workers >= 1, or "
+                               "auto, cpu, gpu; e.g. --nproc-per-node 2", _nproc_available),
+     "N", "Worker processes per node: a number, or gpu, cpu, auto."),
+    ("nnodes", _Choice(r"\d+(:\d+)?", "N or MIN:MAX; e.g. --nnodes 2 or 1:4", _nnodes_ordered),
+     "N", "Number of nodes, or MIN:MAX."),
+    ("node-rank", click.IntRange(min=0), "N", "Rank of this node."),
+    ("master-addr", str, "VALUE", "Address of the rank-0 node (static rendezvous)."),
+    ("master-port", click.IntRange(0, 65535), "N", "Port on the rank-0 node (static "
+     "rendezvous)."),
+    ("rdzv-backend", str, "VALUE", "Rendezvous backend, e.g. c10d."),
+    ("rdzv-endpoint", str, "VALUE", "Rendezvous endpoint, HOST:PORT."),
+    ("rdzv-id", str, "VALUE", "Rendezvous (job) id."),
+    ("rdzv-conf", str, "VALUE", "Rendezvous settings, KEY=VALUE,..."),
+    ("standalone", None, None, "Single node with a local rendezvous on a free port."),
+    ("max-restarts", click.IntRange(min=0), "N", "Worker group restarts before failing."),
+    ("monitor-interval", _Number(0.0, low_open=True, example="give seconds, e.g. "
+                                 "--monitor-interval 0.1"),
+     "S", "Seconds between checks of the workers."),
+    ("log-dir", str, "DIR", "Directory for the workers' logs."),
+    ("redirects", _STD, "VALUE", "Redirect worker std streams to log files (0-3, or RANK:N,...)."),
+    ("tee", _STD, "VALUE", "Tee worker std streams to log files and the console (0-3)."),
+    ("local-ranks-filter", _Choice(r"\d+(,\d+)*", "local ranks separated by commas; e.g. 0 or "
+                                   "0,1"),
+     "RANKS", "Show the output of these local ranks only, e.g. 0."),
+    ("local-addr", str, "VALUE", "Address of this node."),
 )
 
 
 def _torchrun_options(f):
-    for name, kind, help_text in reversed(_TORCHRUN_OPTIONS):
+    for name, kind, metavar, help_text in reversed(_TORCHRUN_OPTIONS):
         dest = "torchrun_" + name.replace("-", "_")
         if kind is None:
             f = click.option(f"--{name}", dest, is_flag=True, help=f"[torchrun] {help_text}")(f)
         else:
-            metavar = "N" if kind in (int, float) else "VALUE"
             f = click.option(f"--{name}", dest, type=kind, default=None, metavar=metavar,
                              help=f"[torchrun] {help_text}")(f)
     return f
@@ -100,23 +161,26 @@ class _RunCommand(click.Command):
 @click.command("run", cls=_RunCommand, context_settings=dict(
     ignore_unknown_options=False, allow_interspersed_args=False,
     token_normalize_func=lambda name: name.replace("_", "-")))
-@click.option("--lms", type=_Number(example="give the size threshold in KB, e.g. --lms 1000 "
-                                    "(0 turns swapping off)"),
+@click.option("--lms", type=_Number.setting("lms", "give the size threshold in KB, e.g. --lms "
+                                            "1000 (0 turns swapping off)"),
               metavar="KB", help="Saved tensors smaller than this stay on the GPU [LMSRT_LMS].")
 @click.option("--lms-frac", type=_Number(0.0, 1.0, example="give the fraction of GPU memory used "
                                          "before swapping starts, e.g. --lms-frac 0.75"),
               metavar="F", help="No swapping while GPU use is under F times what the process "
               "may use [LMSRT_LMS_FRAC].")
-@click.option("--prefetch-mb", type=_Number(0.0, example="give MiB, e.g. --prefetch-mb 4096"),
+@click.option("--prefetch-mb", type=_Number.setting("prefetch_mb", "give MiB, e.g. "
+                                                    "--prefetch-mb 4096"),
               metavar="MB", help="Most bytes brought back ahead of backward [LMSRT_PREFETCH_MB].")
-@click.option("--host-budget-gb", type=_Number(0.0, example="give GiB per process, e.g. "
-                                               "--host-budget-gb 64"),
+@click.option("--host-budget-gb", type=_Number.setting("host_budget_gb", "give GiB per "
+                                                       "process, e.g. --host-budget-gb 64"),
               metavar="G", help="Most pinned host memory per process [LMSRT_HOST_BUDGET_GB].")
 @click.option("--gpu-limit", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
                                           "--gpu-limit 12"),
               metavar="GIB", help="Cap each process's GPU memory, as a smaller GPU would.")
-@click.option("--stats", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Write LMS stats and step times as JSON at exit (rank r>0: FILE.rank{r}).")
+@click.option("--stats", type=click.Path(), metavar="FILE",
+              help="Write LMS stats and step times as JSON at exit, also after SIGTERM (rank "
+              "r>0: FILE.rank{r}). FILE must be a regular file or new, not a symlink; it is "
+              "replaced whole, and kept as it was if writing fails.")
 @click.option("-m", "--module", "as_module", is_flag=True,
               help="Run a module, as python -m does: lmsrt run -m pkg.train ARGS.")
 @_torchrun_options
@@ -128,6 +192,8 @@ def command(lms: Optional[float], lms_frac: Optional[float], prefetch_mb: Option
 
     Options go before SCRIPT; everything after it is the script's own (--help included).
     Any torchrun option runs it under torch.distributed.run, LMS enabled in every worker.
+    A bad option, LMSRT_* variable or --stats path exits 2 before SCRIPT starts; after
+    that the exit status is the script's (130 after Ctrl-C, 143 after SIGTERM).
 
     \b
     Examples:
@@ -143,7 +209,16 @@ def command(lms: Optional[float], lms_frac: Optional[float], prefetch_mb: Option
     settings = {"lms": lms, "lms_frac": lms_frac, "prefetch_mb": prefetch_mb,
                 "host_budget_gb": host_budget_gb}
     settings = {k: v for k, v in settings.items() if v is not None}
-    stats_path = os.path.abspath(stats) if stats else None
+    try:
+        _launch.check_environment(lms_overrides=settings)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    stats_path = None
+    if stats:
+        try:
+            stats_path = check_output_file(stats)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="'--stats'") from None
     forwarded = _forwarded_torchrun_args(torchrun)
     if gpu_limit is not None and not _gpu_limit_applies(gpu_limit):
         gpu_limit = None
@@ -186,7 +261,7 @@ def _gpu_limit_applies(limit_gb: float) -> bool:
 
 def _forwarded_torchrun_args(torchrun: Dict[str, object]) -> List[str]:
     out = []
-    for name, kind, _ in _TORCHRUN_OPTIONS:
+    for name, kind, _, _ in _TORCHRUN_OPTIONS:
         value = torchrun["torchrun_" + name.replace("-", "_")]
         if kind is None and value:
             out.append(f"--{name}")
@@ -246,7 +321,7 @@ def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str,
             sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
-        status = e.code
+        status = e.code      # a message (sys.exit("msg")) is printed as python prints it, at exit
     except KeyboardInterrupt as e:
         _print_script_traceback(e)
         status = 130
@@ -254,7 +329,8 @@ def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str,
         _print_script_traceback(e)
         status = 1
     finally:
-        session.finish()
+        if not session.finish() and status in (0, None):
+            status = 1       # asked for stats and got none: no success to report
         sys.argv, sys.path[:] = saved_argv, saved_path
         if saved_active is None:
             os.environ.pop(_launch.ENV_ACTIVE, None)
@@ -264,9 +340,11 @@ def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str,
 
 
 def _print_script_traceback(e: BaseException) -> None:
-    """The traceback python would print: without the frames of lmsrt and runpy above the script."""
+    """The traceback python would print: without the frames of lmsrt's CLI and of runpy (frozen
+    or not) above the script."""
     tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
+    while tb is not None and (tb.tb_frame.f_globals.get("__name__") or "").startswith(
+            ("lmsrt._cli.", "runpy")):
         tb = tb.tb_next
     sys.stdout.flush()
     traceback.print_exception(type(e), e, tb, file=sys.stderr)

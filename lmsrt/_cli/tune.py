@@ -15,9 +15,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from ..tuning import (AUTO_FRACS, GRID_FRACS, Sweep, Trial, best_trial, pareto_front,
-                      reference_lms, run_command, write_plot, write_results)
+from ..tuning import (AUTO_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
+                      pareto_front, reference_lms, run_command, write_plot, write_results)
 from .._timeline import format_bytes
+from ..config import setting_range
 from .run import _Number
 
 __all__ = ["command"]
@@ -59,7 +60,8 @@ class _ParamValues(click.ParamType):
         return match.group(1), tuple(dict.fromkeys(values))
 
 
-_LMS = _Number(0.0, low_open=True, example="give KB > 0, e.g. --lms 250,1000,4000")
+_LMS = _Number(0.0, setting_range("lms")[1], low_open=True,
+               example="give KB > 0, e.g. --lms 250,1000,4000")
 _FRAC = _Number(0.0, 1.0, example="give fractions of GPU memory, e.g. --lms-frac 0,0.5,0.9 "
                 "(or auto)")
 
@@ -83,9 +85,9 @@ _FRAC = _Number(0.0, 1.0, example="give fractions of GPU memory, e.g. --lms-frac
                                         "--timeout 600"),
               default="600", show_default=True, metavar="S", help="Seconds before a trial is "
               "killed (with every process it started).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="lmsrt-tune",
+@click.option("--out", "out_dir", type=click.Path(), default="lmsrt-tune",
               show_default=True, metavar="DIR", help="Where results.csv, results.json, tune.png "
-              "and the trials' logs (trials/) go.")
+              "and the trials' logs (trials/) go; checked before the first trial.")
 @click.option("--grid", is_flag=True, help="Run every --lms x --lms-frac pair instead of the "
               "bisection.")
 @click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
@@ -115,7 +117,10 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[float, ...]],
     if len(set(names)) != len(names):
         raise click.UsageError(f"--param names a flag twice ({', '.join(names)}); give each "
                                "flag once, with all its values: --param NAME=V1,V2,V3")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        check_out_dir(out_dir)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--out'") from None
     sweep = Sweep(script, args, lms_values=lms_values, fracs=fracs, params=params, grid=grid,
                   steps=steps, gpu_limit=gpu_limit, timeout=timeout, out_dir=out_dir)
     click.echo(f"lmsrt tune: {_describe(sweep)}; {steps} steps a trial, results in {out_dir}",
