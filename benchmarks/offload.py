@@ -2,6 +2,8 @@
 
     python benchmarks/offload.py                                  # gpt, seg, gptbig at 8,12,16 GiB
     python benchmarks/offload.py --workloads gpt --caps 12,16 --out results/
+    python benchmarks/offload.py --workloads lm --caps 14,18,22 --search fastest \\
+        --fracs auto,0.9,0.7,0.5                                  # lm, auto beside the grid
 
 For each workload it first measures, uncapped and without offload, the step time, the forward and
 backward times and the peak, and the pinned D2H/H2D bandwidth. Then, for each cap (set with
@@ -9,10 +11,14 @@ torch.cuda.set_per_process_memory_fraction, so a big GPU stands in for a small o
 runs in its own process, all with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: no offload
 (expect OOM), save_on_cpu(pin_memory=True), and lmsrt at the highest lms_frac of a descending grid
 that fits (OOM is monotone in lms_frac), or with --search fastest the fastest of the whole grid.
+The word auto in --fracs adds a row of its own at every cap: lmsrt with lms_frac="auto" (a version
+of lmsrt that refuses it gets the outcome "unsupported").
 
 The floor: X = uncapped peak - cap bytes must leave the GPU in forward and come back in backward,
-so no swap-only method beats max(t_fwd, X/BW_d2h) + max(t_bwd, X/BW_h2d). Efficiency is
-floor / step. Writes offload.json and offload.png (step time against cap, floor dashed) to --out.
+so no swap-only method beats max(t_fwd, X/BW_d2h) + max(t_bwd, X/BW_h2d) (+ t_opt, the optimizer
+step, for workloads that have one). Efficiency is floor / step. "settled" counts the steps before
+the step time stays within 5% of the timed steps' median. Writes offload.json and offload.png (step
+time against cap, floor dashed) to --out.
 """
 from __future__ import annotations
 
@@ -25,11 +31,13 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 GiB = 2**30
 FRAC_GRID = (0.95, 0.93, 0.91, 0.89, 0.87, 0.85, 0.8, 0.7, 0.5, 0.0)
+SETTLED_TOLERANCE = 0.05
 
 
 # -- child: one method at one cap, in its own process -------------------------------------------
@@ -54,9 +62,9 @@ def _bandwidth() -> dict:
 
 
 def _phases(work, steps: int) -> tuple:
-    """Median forward and backward times of the workload, without offload."""
+    """Median forward, backward and optimizer-step times of the workload, without offload."""
     import torch
-    fwd, bwd = [], []
+    times = []
     for i in range(steps + 2):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -65,15 +73,25 @@ def _phases(work, steps: int) -> tuple:
         t1 = time.perf_counter()
         loss.backward()
         torch.cuda.synchronize()
-        for p in work.model.parameters():
-            p.grad = None
+        t2 = time.perf_counter()
+        work.update()
+        torch.cuda.synchronize()
         if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(time.perf_counter() - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+            times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return tuple(statistics.median(t) for t in zip(*times))
 
 
-def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, warmup: int) -> dict:
+def settled_after(times: list, median: float) -> Optional[int]:
+    """How many steps pass before the step time stays within SETTLED_TOLERANCE of ``median``
+    (0: from the first step); None if the last step is still outside."""
+    n = len(times)
+    while n and abs(times[n - 1] - median) <= SETTLED_TOLERANCE * median:
+        n -= 1
+    return n if n < len(times) else None
+
+
+def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int) -> dict:
+    """One method at one cap; ``frac`` is a number or "auto", passed to lmsrt as it is."""
     import torch
     import lmsrt
     from workloads import build
@@ -84,7 +102,12 @@ def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, w
     work = build(workload)
     lms = None
     if method == "lmsrt":
-        ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac)
+        try:
+            ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac)
+        except (ValueError, TypeError) as e:
+            if frac != "auto":
+                raise
+            return {"outcome": "unsupported", "error": str(e)}
     elif method == "save_on_cpu":
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
     else:
@@ -110,8 +133,9 @@ def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, w
                 "allocated_gib": torch.cuda.memory_allocated() / GiB,
                 "reserved_gib": torch.cuda.memory_reserved() / GiB,
                 "history": lms.stats()["history"] if lms else []}
-    res = {"outcome": "ok", "step_s": statistics.median(times[warmup:]),
-           "peak_gib": max(peaks[warmup:]) / GiB, "first_steps_s": times[:warmup],
+    step_s = statistics.median(times[warmup:])
+    res = {"outcome": "ok", "step_s": step_s, "settled_after": settled_after(times, step_s),
+           "peak_gib": max(peaks[warmup:]) / GiB, "step_times_s": times,
            "gpu_fwd_s": statistics.median(p[0] for p in phases[warmup:]),
            "gpu_bwd_s": statistics.median(p[1] for p in phases[warmup:]),
            "alloc_retries_per_step": statistics.median(retries[warmup:]),
@@ -120,14 +144,20 @@ def child(workload: str, method: str, cap_gib: float, frac: float, steps: int, w
         last = lms.stats()["last_step"]
         res.update(moved_gib=last["out_bytes"] / GiB, stats=last, summary=lms.summary())
     if method == "reference":
-        res["t_fwd"], res["t_bwd"] = _phases(work, steps)
+        res["t_fwd"], res["t_bwd"], res["t_opt"] = _phases(work, steps)
         res["bandwidth"] = _bandwidth()
     return res
 
 
 # -- parent: the sweep, the table, the plot ----------------------------------------------------
 
-def run_child(args, workload: str, method: str, cap: float, frac: float = 0.0) -> dict:
+def parse_fracs(text: str) -> tuple:
+    """The numeric lms_frac grid, high to low, and whether the word auto was among them."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    return sorted((float(w) for w in words if w != "auto"), reverse=True), "auto" in words
+
+
+def run_child(args, workload: str, method: str, cap: float, frac=0.0) -> dict:
     # Every method runs with expandable segments: less fragmentation, so a cap means the same
     # thing for all of them (and it is what README recommends to lmsrt users).
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
@@ -145,6 +175,8 @@ def run_child(args, workload: str, method: str, cap: float, frac: float = 0.0) -
     res.update(workload=workload, method=method, cap_gib=cap, lms_frac=frac,
                wall_s=round(time.time() - t0, 1))
     shown = f"{res['step_s']:.3f} s" if res["outcome"] == "ok" else res["outcome"]
+    if "error" in res:
+        shown += f": {res['error']}"
     print(f"  {workload:7} {method:12} cap={cap or '-':>4} lms_frac={frac:<4} {shown}"
           f"  ({res['wall_s']} s)", flush=True)
     return res
@@ -156,28 +188,44 @@ def floor_s(ref: dict, cap: float) -> float:
         return ref["step_s"]
     x = max(0.0, ref["peak_gib"] - cap) * GiB
     bw = ref["bandwidth"]
-    return max(ref["t_fwd"], x / bw["d2h"]) + max(ref["t_bwd"], x / bw["h2d"])
+    return max(ref["t_fwd"], x / bw["d2h"]) + max(ref["t_bwd"], x / bw["h2d"]) + ref["t_opt"]
 
 
 def table(rows: list, refs: dict) -> str:
-    head = (f"{'workload':8} {'cap':>4} {'method':12} {'frac':>5} {'step s':>7} {'vs ref':>7} "
-            f"{'peak GiB':>8} {'moved GiB':>9} {'floor s':>7} {'effic.':>6}")
+    head = (f"{'workload':8} {'cap':>4} {'method':12} {'frac':>5} {'step s':>11} {'vs ref':>7} "
+            f"{'peak GiB':>8} {'moved GiB':>9} {'floor s':>7} {'effic.':>6} {'settled':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ref = refs[r["workload"]]
         fl = floor_s(ref, r["cap_gib"])
-        cells = ["", "", "", "", ""]
+        cells = [""] * 6
         if r["outcome"] == "ok":
-            moved = r.get("moved_gib")
+            moved, settled = r.get("moved_gib"), r.get("settled_after")
             cells = [f"{r['step_s']:.3f}", f"{r['step_s'] / ref['step_s']:.2f}x",
                      f"{r['peak_gib']:.2f}", "all" if moved is None else f"{moved:.2f}",
-                     f"{fl / r['step_s']:.2f}"]
+                     f"{fl / r['step_s']:.2f}", "no" if settled is None else str(settled)]
         else:
             cells[0] = r["outcome"]
         frac = r["lms_frac"] if r["method"] == "lmsrt" else "-"
         lines.append(f"{r['workload']:8} {r['cap_gib'] or '-':>4} {r['method']:12} {frac:>5} "
-                     f"{cells[0]:>7} {cells[1]:>7} {cells[2]:>8} {cells[3]:>9} {fl:7.3f} "
-                     f"{cells[4]:>6}")
+                     f"{cells[0]:>11} {cells[1]:>7} {cells[2]:>8} {cells[3]:>9} {fl:7.3f} "
+                     f"{cells[4]:>6} {cells[5]:>7}")
+    return "\n".join(lines)
+
+
+def auto_against_grid(rows: list) -> str:
+    """One line per workload and cap: auto's step time over the grid's best."""
+    lines = []
+    for auto in (r for r in rows if r["method"] == "lmsrt" and r["lms_frac"] == "auto"):
+        best = next((r for r in rows if r["method"] == "lmsrt" and r["lms_frac"] != "auto"
+                     and r["workload"] == auto["workload"] and r["cap_gib"] == auto["cap_gib"]),
+                    None)
+        if auto["outcome"] != "ok" or best is None or best["outcome"] != "ok":
+            verdict = f"auto {auto['outcome']}, grid {best['outcome'] if best else 'not run'}"
+        else:
+            verdict = (f"auto {auto['step_s']:.3f} s = {auto['step_s'] / best['step_s']:.2f}x the "
+                       f"grid's {best['step_s']:.3f} s (lms_frac {best['lms_frac']})")
+        lines.append(f"{auto['workload']} at {auto['cap_gib']:g} GiB: {verdict}")
     return "\n".join(lines)
 
 
@@ -194,11 +242,14 @@ def plot(rows: list, refs: dict, path: str) -> None:
     for ax, name in zip(axes[0], names):
         ref = refs[name]
         caps = sorted({r["cap_gib"] for r in rows if r["workload"] == name and r["cap_gib"]})
-        for method, style in (("save_on_cpu", "s-"), ("lmsrt", "o-")):
+        for label, style, method, auto in (("save_on_cpu", "s-", "save_on_cpu", False),
+                                           ("lmsrt", "o-", "lmsrt", False),
+                                           ("lmsrt auto", "^-", "lmsrt", True)):
             pts = [(r["cap_gib"], r["step_s"]) for r in rows if r["workload"] == name
-                   and r["method"] == method and r["outcome"] == "ok" and r["cap_gib"]]
+                   and r["method"] == method and (r["lms_frac"] == "auto") == auto
+                   and r["outcome"] == "ok" and r["cap_gib"]]
             if pts:
-                ax.plot(*zip(*sorted(pts)), style, label=method)
+                ax.plot(*zip(*sorted(pts)), style, label=label)
         ax.plot(caps, [floor_s(ref, c) for c in caps], "k--", label="floor")
         ax.axhline(ref["step_s"], color="gray", lw=0.8, label="no offload, uncapped")
         ax.set_title(f"{name} (uncapped peak {ref['peak_gib']:.1f} GiB)")
@@ -215,7 +266,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="gpt,seg,gptbig")
     ap.add_argument("--caps", default="8,12,16", help="GPU caps in GiB, comma-separated")
     ap.add_argument("--fracs", default=",".join(map(str, FRAC_GRID)),
-                    help="lms_frac grid, tried from high to low until one fits")
+                    help="lms_frac grid, tried from high to low until one fits; the word auto "
+                         "adds lms_frac=\"auto\" as a row of its own at every cap")
     ap.add_argument("--methods", default="none,save_on_cpu,lmsrt")
     ap.add_argument("--search", choices=("highest", "fastest"), default="highest",
                     help="lmsrt: the highest lms_frac that fits, or the fastest of the whole grid "
@@ -228,11 +280,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         workload, method, cap, frac = args.child.split(":")
-        print(json.dumps(child(workload, method, float(cap), float(frac), args.steps, args.warmup)))
+        frac = frac if frac == "auto" else float(frac)
+        print(json.dumps(child(workload, method, float(cap), frac, args.steps, args.warmup)))
         return
-    os.makedirs(args.out, exist_ok=True)
     caps = [float(c) for c in args.caps.split(",") if c]
-    fracs = sorted((float(f) for f in args.fracs.split(",") if f), reverse=True)
+    fracs, auto = parse_fracs(args.fracs)
     methods = args.methods.split(",")
     rows, refs = [], {}
     for name in args.workloads.split(","):
@@ -247,7 +299,7 @@ def main() -> None:
                 rows.append(run_child(args, name, "none", cap))
             if "save_on_cpu" in methods:
                 rows.append(run_child(args, name, "save_on_cpu", cap))
-            if "lmsrt" in methods:
+            if "lmsrt" in methods and fracs:
                 tried = []
                 for frac in fracs:
                     tried.append(run_child(args, name, "lmsrt", cap, frac))
@@ -257,13 +309,20 @@ def main() -> None:
                 best = min(fits, key=lambda t: t["step_s"]) if fits else tried[-1]
                 rows.append(best)
                 best["attempts"] = [t for t in tried if t is not best]
+            if "lmsrt" in methods and auto:
+                rows.append(run_child(args, name, "lmsrt", cap, "auto"))
+    if not refs:
+        sys.exit("no workload ran (the benchmark needs a CUDA GPU); nothing written")
+    os.makedirs(args.out, exist_ok=True)
     text = table(rows, refs)
     bw = {n: {k: round(v / 1e9, 1) for k, v in r["bandwidth"].items()} for n, r in refs.items()}
     print(f"\npinned bandwidth GB/s: {bw}")
     for n, r in refs.items():
         print(f"{n}: uncapped step {r['step_s']:.3f} s (forward {r['t_fwd']:.3f}, backward "
-              f"{r['t_bwd']:.3f}), peak {r['peak_gib']:.2f} GiB")
+              f"{r['t_bwd']:.3f}, optimizer {r['t_opt']:.3f}), peak {r['peak_gib']:.2f} GiB")
     print("\n" + text)
+    if auto:
+        print("\n" + auto_against_grid(rows))
     with open(os.path.join(args.out, "offload.json"), "w") as f:
         json.dump({"rows": rows, "table": text}, f, indent=1, default=str)
     plot(rows, refs, os.path.join(args.out, "offload.png"))

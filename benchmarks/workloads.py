@@ -1,6 +1,8 @@
 """The models the benchmarks and the GPU check train: built, fed, and stepped the same way."""
 from __future__ import annotations
 
+from typing import Callable, NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,38 +47,98 @@ class SegNet(nn.Module):
         return self.net(x)
 
 
+class GPT2LM(nn.Module):
+    """GPT-2-style causal LM: token and position embeddings, pre-norm blocks, a final LayerNorm,
+    and a head that shares the token embedding's weight, as GPT-2 does."""
+
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
+        self.blocks = nn.Sequential(*[GPTBlock(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln_f(self.blocks(self.wte(idx) + self.wpe(pos))))
+
+
+def _square_mean(out):
+    return out.float().square().mean()
+
+
+class Parts(NamedTuple):
+    """What a builder returns: the model, the arguments of its forward, whether the step runs
+    under bf16 autocast, the loss of the model's output, and the optimizer if the step has one."""
+    model: nn.Module
+    inputs: tuple
+    autocast: bool
+    loss: Callable[[torch.Tensor], torch.Tensor] = _square_mean
+    optimizer: Optional[torch.optim.Optimizer] = None
+
+
 def _gpt(d, layers, batch, seq):
     model = nn.Sequential(*[GPTBlock(d, d // 128) for _ in range(layers)])
-    return model.to("cuda", torch.bfloat16), torch.randn(batch, seq, d, device="cuda",
-                                                          dtype=torch.bfloat16), False
+    return Parts(model.to("cuda", torch.bfloat16),
+                 (torch.randn(batch, seq, d, device="cuda", dtype=torch.bfloat16),), False)
 
 
 def _seg(batch=16):
-    return SegNet().cuda(), torch.randn(batch, 4, 768, 1024, device="cuda"), True
+    return Parts(SegNet().cuda(), (torch.randn(batch, 4, 768, 1024, device="cuda"),), True)
 
 
-# name -> builder returning (model, input, autocast)
+def _lm(batch=16, seq=1024, d=1024, layers=24, heads=16, vocab=50304, device="cuda"):
+    """GPT-2 medium (355M parameters) trained as a plain script would: fp32 weights, bf16
+    autocast, cross-entropy on the full fp32 logits (3.07 GiB at this size, and as much again
+    for their gradient), AdamW. Uncapped it should peak near 27.5 GiB: issue 12 measured that on an
+    H200, and a count of this code's allocations with fake tensors gives 27.46 GiB."""
+    with torch.device(device):
+        model = GPT2LM(vocab, seq, d, layers, heads)
+        idx = torch.randint(vocab, (batch, seq))
+        targets = torch.randint(vocab, (batch, seq))
+
+    def loss(logits):
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    return Parts(model, (idx,), True, loss, torch.optim.AdamW(model.parameters(), lr=3e-4))
+
+
+# name -> builder returning Parts; keyword arguments (``lm``'s sizes and device) are for tests.
 WORKLOADS = {
     "gpt": lambda: _gpt(2048, 16, 8, 2048),
     "gptbig": lambda: _gpt(4096, 8, 4, 4096),
     "seg": _seg,
     "gptsmall": lambda: _gpt(1024, 8, 4, 1024),
+    "lm": _lm,
 }
 
 
 class Workload:
-    """A model, its input, and one training step: forward inside ``ctx``, then backward."""
+    """A model, its input, and one training step: forward inside ``ctx``, backward, then the
+    optimizer step if the workload has one."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, **size):
         self.name = name
-        self.model, self.x, self.autocast = WORKLOADS[name]()
+        self.model, self.inputs, self.autocast, self.loss, self.optimizer = WORKLOADS[name](**size)
+        self.device = self.inputs[0].device.type
 
     def forward(self):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-            return self.model(self.x).float().square().mean()
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
+            return self.loss(self.model(*self.inputs))
+
+    def update(self):
+        """The optimizer step, if any; then the gradients are dropped."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for p in self.model.parameters():
+            p.grad = None
 
     def step(self, ctx, marks=None):
-        """One step; ``marks`` (three CUDA events) split its GPU time at the end of forward."""
+        """One step; ``marks`` (three CUDA events) split its GPU time at the end of forward and
+        of backward."""
         if marks:
             marks[0].record()
         with ctx:
@@ -86,10 +148,12 @@ class Workload:
         loss.backward()
         if marks:
             marks[2].record()
-        for p in self.model.parameters():
-            p.grad = None
+        self.update()
         return loss
 
 
-def build(name: str) -> Workload:
-    return Workload(name)
+def build(name: str, **size) -> Workload:
+    """The workload ``name``, e.g. ``build("lm").step(contextlib.nullcontext())``; ``size``
+    overrides the ``lm`` builder's sizes and device (``build("lm", layers=2, d=64, heads=2,
+    vocab=256, seq=32, batch=2, device="cpu")``), for a quick check without a GPU."""
+    return Workload(name, **size)

@@ -1,0 +1,80 @@
+"""The benchmarks stay importable and runnable without a GPU: the ``lm`` workload at a tiny size on
+the CPU, offload.py's command line, and its table with an ``auto`` row. The GPU numbers themselves
+come from running benchmarks/offload.py on a GPU, not from tests."""
+import contextlib
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+TINY_LM = dict(batch=2, seq=16, d=32, layers=2, heads=2, vocab=64, device="cpu")
+
+
+def _load(name: str):
+    """benchmarks/<name>.py as a module, leaving sys.path as it was (offload.py extends it)."""
+    path = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
+def test_lm_workload_steps_on_cpu():
+    work = _load("workloads").build("lm", **TINY_LM)
+    model = work.model
+    assert model.head.weight is model.wte.weight          # tied, as GPT-2 does
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = work.step(contextlib.nullcontext())
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(64.0)).item(), rel=0.2)
+    # The optimizer stepped every parameter, and the gradients were dropped after it.
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.isfinite(work.step(contextlib.nullcontext()))
+
+
+def test_offload_help_mentions_auto():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "offload.py"), "--help"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "auto" in out.stdout
+
+
+def test_fracs_and_settled_steps():
+    offload = _load("offload")
+    assert offload.parse_fracs("auto,0.7,0.9, 0.5") == ([0.9, 0.7, 0.5], True)
+    assert offload.parse_fracs("0.5") == ([0.5], False)
+    assert offload.settled_after([3.0, 1.0, 1.02, 0.98], 1.0) == 1
+    assert offload.settled_after([1.0, 1.0], 1.0) == 0
+    assert offload.settled_after([1.0, 2.0], 1.0) is None      # still moving at the last step
+
+
+def test_table_with_auto_rows():
+    offload = _load("offload")
+    ref = {"workload": "lm", "method": "reference", "cap_gib": 0, "lms_frac": 0.0,
+           "outcome": "ok", "step_s": 0.1, "peak_gib": 27.5, "moved_gib": 0.0,
+           "settled_after": 1, "t_fwd": 0.03, "t_bwd": 0.06, "t_opt": 0.01,
+           "bandwidth": {"d2h": 55e9, "h2d": 55e9}}
+    grid = dict(ref, method="lmsrt", cap_gib=14.0, lms_frac=0.5, step_s=0.8, peak_gib=13.9,
+                moved_gib=18.9, settled_after=2)
+    auto = dict(grid, lms_frac="auto", step_s=0.6, settled_after=None)
+    refused = {"workload": "lm", "method": "lmsrt", "cap_gib": 18.0, "lms_frac": "auto",
+               "outcome": "unsupported"}
+    rows = [ref, grid, auto, refused]
+    # The optimizer step cannot overlap the copies: it adds to the floor.
+    x = (27.5 - 14) * 2**30 / 55e9
+    assert offload.floor_s(ref, 14.0) == pytest.approx(2 * x + 0.01)
+    text = offload.table(rows, {"lm": ref})
+    assert "unsupported" in text and " auto " in text
+    assert text.splitlines()[3].split()[-1] == "2"          # the grid row settled after 2 steps
+    assert text.splitlines()[4].split()[-1] == "no"         # auto never settled
+    lines = offload.auto_against_grid(rows).splitlines()
+    assert lines[0].startswith("lm at 14 GiB: auto 0.600 s = 0.75x")
+    assert lines[1] == "lm at 18 GiB: auto unsupported, grid not run"
