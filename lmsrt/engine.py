@@ -129,6 +129,7 @@ class _Kept:
     """An eligible storage that stays on the GPU (so later views of it stay too)."""
 
     __slots__ = ("storage_ref", "version")
+    dead = False
 
     def __init__(self, storage_ref, version: int):
         self.storage_ref, self.version = storage_ref, version
@@ -175,11 +176,11 @@ def _producer(t: torch.Tensor):
     return None if fn is None else (fn.name(), t.output_nr)
 
 
-def _version_counter_of(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor that shares ``t``'s version counter but not its storage: it tells whether
-    the saved bytes were modified in place, also after every tensor that could do it is gone.
-    (Its set_ runs below autograd's in-place layer, so it does not itself count as a change.)"""
-    alias = t.detach()
+def _counter_only(alias: torch.Tensor) -> torch.Tensor:
+    """``alias`` (a detached alias of a saved tensor) let go of its storage but kept as the
+    tensor's version counter: it tells whether the saved bytes were modified in place, also after
+    every tensor that could do it is gone. (The set_ runs below autograd's in-place layer, so it
+    does not itself count as a change.)"""
     with torch._C._AutoDispatchBelowADInplaceOrView():
         alias.set_()
     return alias
@@ -438,7 +439,8 @@ class SwapEngine:
                 self._reap()
             version = t._version
             entry = self._by_ptr.get(storage.data_ptr())
-            if entry is None or entry.storage_ref() is not storage or entry.version != version:
+            if (entry is None or entry.storage_ref() is not storage or entry.version != version
+                    or entry.dead):                 # released: its handles all died meanwhile
                 entry = self._new_storage(t, storage, version)
             elif type(entry) is _Storage and entry.stream_key != self.device.stream_key():
                 return self._keep(t, thread)                 # Rule 9
@@ -575,7 +577,7 @@ class SwapEngine:
         try:
             s = _Storage(nbytes, seq, ref, version, stream, key)
             s.copy_done = self._copy_out(storage, slot, stream)      # Rule 1
-            s.source, s.counter, s.host = t.detach(), _version_counter_of(t), slot   # Rule 2
+            s.source, s.host = t.detach(), slot    # Rule 2; also shares t's version counter
             s.index = len(order)
             order.append(s)          # from here the step boundary releases it if orphaned
         except BaseException as e:                         # Rule 7: keep it on the GPU
@@ -609,19 +611,30 @@ class SwapEngine:
 
     def _bound_held(self, used: int) -> None:
         held, mark = self._held, self.mark
-        while held and (used > mark if mark else self._held_bytes > self._overlap):
+        while held and (used > mark if mark else (self._held_bytes > self._overlap
+                                                  or used + self._overlap > self.limit)):
             s = held.popleft()
             if s.source is None:
                 continue
-            s.copy_done.wait(s.stream)                     # Rule 2: wait, then drop at once
+            self._order_after(s, s.copy_done)              # Rule 2: wait, then drop at once
             self._drop_source(s)
             used -= s.nbytes
             self.step.swapout_waits += 1
 
+    def _order_after(self, s: _Storage, event) -> None:
+        """Make the streams that may reuse ``s``'s GPU block wait on ``event``: its own stream,
+        and the compute stream too for a side-stream storage (its block may be the compute
+        stream's, if the script did not record it on the side stream)."""
+        event.wait(s.stream)
+        if s.stream_key != self._compute_key:
+            event.wait(self.compute)
+
     def _drop_source(self, s: _Storage) -> None:
-        if s.source is not None:
+        source = s.source
+        if source is not None:
             s.source = None
             self._held_bytes -= s.nbytes
+            s.counter = _counter_only(source)   # NOTE [ Interrupts and versions ], c
 
     # -- backward: unpack --------------------------------------------------------------------
 
@@ -665,12 +678,18 @@ class SwapEngine:
                 # alive for as long as it is read; ours would keep it for the rest of backward.
                 self._drop_restored(s)
                 s.consumed = True
+            # Viewed under the lock: another thread may release the source alias meanwhile.
+            view = self._copies.view(data, ref)
             self._advance()
-        return self._copies.view(data, ref)
+        return view
 
     def _check_version(self, ref: _SwapRef, s: _Storage) -> None:
         base = ref.base_ref()
-        now = base._version if base is not None else s.counter._version
+        if base is not None:
+            now = base._version
+        else:
+            alias = s.source if s.source is not None else s.counter
+            now = ref.version if alias is None else alias._version
         if now != ref.version:
             kind = torch.empty(0, dtype=ref.dtype, device=self.device.torch_device).type()
             raise _modified_error(kind, ref.size, ref.producer, now, ref.version,
@@ -802,7 +821,10 @@ class SwapEngine:
         dead = self._dead
         while dead:
             watch = dead[0]
-            s = watch.storage
+            s = getattr(watch, "storage", None)
+            if s is None:                 # its handle was lost before it was counted
+                dead.popleft()
+                continue
             if watch.generation == s.generation and id(watch) in s.watches:
                 s.unpacked -= 1
             s.watches.discard(id(watch))
@@ -815,10 +837,10 @@ class SwapEngine:
         s.dead = True
         if s.gpu is not None:
             if not s.fetch_waited:
-                s.fetch_done.wait(s.stream)                # Rule 4
+                self._order_after(s, s.fetch_done)         # Rule 4
             self._drop_restored(s)
         if s.source is not None:
-            s.copy_done.wait(s.stream)                     # Rule 2
+            self._order_after(s, s.copy_done)              # Rule 2
             self._drop_source(s)
         slot = s.host
         if slot is not None:

@@ -54,8 +54,9 @@ def _own_pair_on_top() -> bool:
 
 
 def _step_aside_where_hooks_are_disabled() -> None:
-    """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process) so that
-    lmsrt's hooks leave this thread's stack for the region and come back after it.
+    """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process, when lmsrt is
+    imported) so that lmsrt's hooks leave this thread's stack for the region and come back after
+    it.
 
     torch.func's transforms (grad, vjp, jacrev, hessian, vmap of them) and other code that
     cannot work with saved-tensor hooks run inside that context manager, which raises as it is
@@ -70,15 +71,16 @@ def _step_aside_where_hooks_are_disabled() -> None:
     @contextlib.contextmanager
     def disable_saved_tensors_hooks(error_message: str):
         aside = []
-        while _own_pair_on_top():
-            aside.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-        if aside:
-            _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this region "
-                      "(torch.func transforms such as grad, vjp, jacrev and hessian, or "
-                      "torch.autograd.graph.disable_saved_tensors_hooks), so lmsrt steps aside "
-                      "there: tensors saved inside stay on the GPU, as without LMS (said once).")
         try:
+            while _own_pair_on_top():
+                aside.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            if aside:
+                _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
+                          "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
+                          "or torch.autograd.graph.disable_saved_tensors_hooks), so lmsrt steps "
+                          "aside there: tensors saved inside stay on the GPU, as without LMS "
+                          "(said once).")
             with original(error_message):
                 yield
         finally:
@@ -86,6 +88,11 @@ def _step_aside_where_hooks_are_disabled() -> None:
                 torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
     torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+
+
+# At import, before torch.compile is used: dynamo recognises the context manager by identity,
+# from a table it builds when it is first imported.
+_step_aside_where_hooks_are_disabled()
 
 
 _said: set = set()
@@ -198,7 +205,6 @@ class LMS:
         engine = self._engine
         if engine.closed:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
-        _step_aside_where_hooks_are_disabled()
         engine.begin_forward()
         if engine._stale_hooks:
             engine._pop_stale_hooks(threading.get_ident())

@@ -34,6 +34,7 @@ __all__ = ["OffloadPlan"]
 
 # Shrink the target only when the peak is this far under the mark, so the plan does not oscillate.
 _SLACK = 0.05
+_RELEARN_LIVE = 16
 
 
 class OffloadPlan:
@@ -48,6 +49,7 @@ class OffloadPlan:
         self.matched = True             # this step's sequence matches the recording so far
         self.live: set = set()          # indices whose storage outlived the step anyway
         self.live_now: set = set()      # the same, seen in this step's backward
+        self.live_age = 0               # steps since the live set was last relearnt
 
     @property
     def mode(self) -> str:
@@ -79,8 +81,11 @@ class OffloadPlan:
     def finish_step(self, forward_end_use: int, swapped: int, beyond_plan: int, mark: int) -> None:
         """Update the target from the step just finished and start recording the next one."""
         followed = self.followed
-        # Storages kept because they outlived backward stay kept while the sequence repeats.
-        self.live, self.live_now = self.live_now | (self.live if followed else set()), set()
+        # Storages kept because they outlived backward stay kept while the sequence repeats,
+        # relearnt every _RELEARN_LIVE steps (a tensor a script held once, for a log, is not
+        # pinned for good).
+        self.live_age = self.live_age + 1 if followed and self.live_age < _RELEARN_LIVE else 0
+        self.live, self.live_now = self.live_now | (self.live if self.live_age else set()), set()
         if followed:
             target = self.target + max(0, forward_end_use + beyond_plan - mark)
             room = mark * (1 - _SLACK) - forward_end_use

@@ -652,3 +652,73 @@ def test_copies_leave_the_threads_current_device_alone():
         assert_same(ref, train_step(model, x, lms=lms))
         assert torch.cuda.current_device() == 0
     assert lms.stats()["total"]["out_tensors"] > 0
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+def test_a_storage_saved_again_after_its_handles_died_comes_back():
+    """An activation used first by an op whose result is dropped (a logged norm, say), then
+    saved again: the released entry must not be reused."""
+    a = torch.randn(256, 64, requires_grad=True)
+
+    def step(lms):
+        a.grad = None
+        with lms if lms is not None else contextlib.nullcontext():
+            x = a * 2
+            t1 = x.sin()
+            del t1                             # x's only handle dies
+            y = x.cos()
+            del x                              # x saved again, then gone
+            loss = y.sum()
+        loss.backward()
+        return a.grad.clone()
+
+    ref = step(None)
+    lms = make_lms("sim")
+    for _ in range(2):
+        assert torch.equal(ref, step(lms))
+
+
+def test_an_interrupt_before_a_handle_is_counted_leaves_the_engine_usable(monkeypatch):
+    """An interrupt right after a handle's watch is armed but before it knows its storage: the
+    watch is queued without one, and every later reap must skip it."""
+    model, x = _mlp_and_input("sim")
+    ref = train_step(model, x)
+    lms = make_lms("sim")
+    train_step(model, x, lms=lms)
+    engine = lms._engine
+    real, calls = engine_module._Watch, []
+
+    class _Unfinished(real):
+        __slots__ = ()
+
+        def __setattr__(self, name, value):
+            calls.append(name)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(engine_module, "_Watch", _Unfinished)
+    with pytest.raises(KeyboardInterrupt):
+        train_step(model, x, lms=lms)
+    monkeypatch.undo()
+    for _ in range(2):
+        assert_same(ref, train_step(model, x, lms=lms))
+    with lms:
+        assert lms._engine.host.used_bytes == 0
+
+
+def test_a_tensor_alive_once_is_not_kept_for_good():
+    model, x = _mlp_and_input("sim")
+    lms = make_lms("sim")
+    held = {}
+    train_step(model, x, lms=lms)
+    hook = model[2].register_forward_hook(lambda m, i, o: held.__setitem__("o", o))
+    train_step(model, x, lms=lms)             # the hooked output outlives backward once
+    hook.remove()
+    held.clear()
+    live = []
+    for _ in range(20):
+        train_step(model, x, lms=lms)
+        live.append(lms.stats()["last_step"]["live_bytes"])
+    assert live[-1] < max(live), live         # relearnt: no longer kept
