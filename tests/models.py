@@ -107,3 +107,20 @@ def assert_same(ref, got):
     assert torch.equal(ref_loss, loss), (ref_loss, loss)
     for i, (a, b) in enumerate(zip(ref_grads, grads)):
         assert torch.equal(a, b), f"gradient {i} differs: max |d| = {(a - b).abs().max().item()}"
+
+
+def run_threads(work, args, timeout: float = 120.0) -> None:
+    """Run ``work(*a)`` for each ``a`` in ``args`` on its own thread, switching between threads
+    often so that they interleave inside the engine, and wait for all of them."""
+    import sys
+    import threading
+    threads = [threading.Thread(target=work, args=a) for a in args]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        sys.setswitchinterval(switch)

@@ -10,11 +10,9 @@ the simulated device, and on CUDA under the marker:
 import contextlib
 import gc
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 import tracemalloc
 import warnings
 import weakref
@@ -26,7 +24,8 @@ from torch import nn
 
 import lmsrt
 from lmsrt import engine as engine_module
-from models import DEVICES, assert_same, make_lms, mlp, torch_device, train_step, transformer
+from models import (DEVICES, assert_same, make_lms, mlp, run_threads, torch_device, train_step,
+                    transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 INPLACE = "modified by an inplace operation"
@@ -347,16 +346,7 @@ def test_threads_sharing_one_lms_count_one_step_per_forward():
         for _ in range(100):
             train_step(model, x, lms=lms)
 
-    threads = [threading.Thread(target=work, args=(m,)) for m in models]
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        sys.setswitchinterval(switch)
+    run_threads(work, [(m,) for m in models])
     assert _steps(lms) == 200
 
 
@@ -388,11 +378,7 @@ def test_soak_threads_keep_counts_host_and_python_memory_flat():
             errors.append(e)
 
     def run(steps):
-        threads = [threading.Thread(target=work, args=(i, steps)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        run_threads(work, [(i, steps) for i in range(2)], timeout=300)
 
     tracemalloc.start()
     try:
@@ -686,7 +672,6 @@ def test_an_interrupt_before_a_handle_is_counted_leaves_the_engine_usable(monkey
     ref = train_step(model, x)
     lms = make_lms("sim")
     train_step(model, x, lms=lms)
-    engine = lms._engine
     real, calls = engine_module._Watch, []
 
     class _Unfinished(real):

@@ -29,7 +29,8 @@ from lmsrt import host as host_module
 from lmsrt.device import SimulatedDevice
 from lmsrt.host import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
-from models import DEVICES, assert_same, make_lms, mlp, torch_device, train_step, transformer
+from models import (DEVICES, assert_same, make_lms, mlp, run_threads, torch_device, train_step,
+                    transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -538,16 +539,7 @@ def _check_threads(kind, n=3, steps=8):
         except BaseException as e:      # reported by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)         # switch threads often: interleave inside the engine
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        sys.setswitchinterval(switch)
+    run_threads(work, [(i,) for i in range(n)])
     assert not errors, errors
     assert lms.stats()["total"]["out_tensors"] > 0
     _boundary_is_clean(lms)
