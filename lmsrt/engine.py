@@ -170,10 +170,20 @@ class _Watch(weakref.ref):
     __slots__ = ("storage", "generation")
 
 
-def _producer(t: torch.Tensor):
-    """(grad_fn name, output number) for autograd's in-place error, or None for a leaf."""
-    fn = t.grad_fn
+def _producer(fn, t: torch.Tensor):
+    """(grad_fn name, output number) of ``t`` for autograd's in-place error; None for a leaf."""
     return None if fn is None else (fn.name(), t.output_nr)
+
+
+def pop_own_hooks(engine: Optional["SwapEngine"] = None):
+    """Pop this thread's innermost saved-tensor hooks if they are ``engine``'s (any lmsrt
+    engine's when None); return the pair popped, or None if they are someone else's."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    owner = None if top is None else getattr(top[0], "__self__", None)
+    if owner is engine if engine is not None else isinstance(owner, SwapEngine):
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        return top
+    return None
 
 
 def _counter_only(alias: torch.Tensor) -> torch.Tensor:
@@ -453,14 +463,12 @@ class SwapEngine:
         # Never hold a tensor with a grad_fn: a saved output would point back at its own node.
         # detach() shares the version counter, which unpack checks.
         fn = t.grad_fn
-        if fn is None:
-            return _KeptRef(t, t._version, None, thread)
-        return _KeptRef(t.detach(), t._version, (fn.name(), t.output_nr), thread)
+        return _KeptRef(t if fn is None else t.detach(), t._version, _producer(fn, t), thread)
 
     def _handle(self, s: _Storage, t: torch.Tensor, thread: int) -> _SwapRef:
         """A handle for autograd, counted in ``s.watches`` in one step (NOTE [ Interrupts and
         versions ], a and b): until its watch is in the set, a lost handle frees nothing."""
-        ref = _SwapRef(s, t, _producer(t), thread)
+        ref = _SwapRef(s, t, _producer(t.grad_fn, t), thread)
         watch = _Watch(ref, self._dead.append)
         watch.storage, watch.generation = s, -1
         ref.watch = watch
@@ -879,9 +887,7 @@ class SwapEngine:
         if torch._C._current_graph_task_id() != -1:
             return
         self._stale_hooks.discard(thread)
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and getattr(top[0], "__self__", None) is self:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+        pop_own_hooks(self)
 
     # -- what goes wrong ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 from . import arena, copy_path
 from .config import LMSConfig
 from .device import resolve_device
-from .engine import SwapEngine
+from .engine import SwapEngine, pop_own_hooks
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
@@ -48,11 +48,6 @@ def _say_no_gpu_once() -> None:
 _torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
 
 
-def _own_pair_on_top() -> bool:
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and isinstance(getattr(top[0], "__self__", None), SwapEngine)
-
-
 def _step_aside_where_hooks_are_disabled() -> None:
     """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process, when lmsrt is
     imported) so that lmsrt's hooks leave this thread's stack for the region and come back after
@@ -72,9 +67,8 @@ def _step_aside_where_hooks_are_disabled() -> None:
     def disable_saved_tensors_hooks(error_message: str):
         aside = []
         try:
-            while _own_pair_on_top():
-                aside.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+            while (pair := pop_own_hooks()) is not None:
+                aside.append(pair)
             if aside:
                 _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
                           "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
@@ -217,9 +211,7 @@ class LMS:
         self._active.hooks = None
         if pushed:
             engine = self._engine
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is not None and getattr(top[0], "__self__", None) is engine:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+            pop_own_hooks(engine)
             if torch._C._current_graph_task_id() != -1:
                 # Left inside backward: autograd puts back the thread's hooks as they were
                 # when backward started, this pair included, once backward ends.
