@@ -216,6 +216,9 @@ class SimulatedDevice:
             pinnable memory (for fault-injection tests).
         copy_lag: events report "not done" for this many queries, so swapped sources stay held
             the way they do while a GPU copy is in flight.
+        strict: a storage that would take allocated memory past ``capacity`` raises
+            ``torch.OutOfMemoryError``, as the caching allocator does at its limit. Model memory
+            that saves nothing (workspaces, gradients) is scripted with ``empty``.
     """
 
     kind = "sim"
@@ -224,8 +227,10 @@ class SimulatedDevice:
     torch_device = torch.device("cpu")
     name = "simulated"
 
-    def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None, copy_lag: int = 0):
+    def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None, copy_lag: int = 0,
+                 strict: bool = False):
         self.capacity = int(capacity)
+        self.strict = strict
         self.copy_lag = copy_lag
         self.pin_limit = pin_limit
         self.pinned_total = 0
@@ -300,8 +305,12 @@ class SimulatedDevice:
             key = id(storage)
             if key in self._live:
                 return
-            ref = weakref.ref(storage, self._gone.append)
             nbytes = storage.nbytes()
+            if self.strict and self._allocated + nbytes > self.capacity:
+                raise torch.OutOfMemoryError(
+                    f"simulated: out of memory allocating {nbytes} bytes with {self._allocated} "
+                    f"of {self.capacity} allocated")
+            ref = weakref.ref(storage, self._gone.append)
             self._live[key] = (ref, nbytes)
             self._by_ref[id(ref)] = key
             self._allocated += nbytes

@@ -328,6 +328,7 @@ class SwapEngine:
         self._largest = (0, 0)         # (bytes, save index) of this forward's largest storage
         self._retries_before = 0       # the allocator's retry count when this step began
         self._warned: set = set()      # which one-time warnings were given
+        self.step_listeners: list = []  # called with the step number as each step begins
         self.closed = False
         # An engine dropped without close() (no graph can use it then: a graph holds unpack)
         # still lets its copies finish before its pinned slabs go back (Rules 2, 8).
@@ -336,6 +337,11 @@ class SwapEngine:
     # -- step boundaries ---------------------------------------------------------------------
 
     def begin_forward(self) -> None:
+        """A step's forward begins (``with`` entry, or the first save after a backward). Step
+        listeners run first, with the number of the step that begins; one may raise to stop
+        the script there (the launcher's --max-steps), before anything of that step is held."""
+        for listener in self.step_listeners:
+            listener(self.run_stats.steps + 1 + bool(self.step.step))
         with self._lock:
             self._reap()
             self._sweep_orphans()
