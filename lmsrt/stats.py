@@ -37,6 +37,11 @@ class StepStats:
     forward_end_bytes: int = 0     # GPU use when forward ended, net of copies still in flight
     host_pinned_bytes: int = 0     # pinned host memory held at the end of the step
     host_peak_bytes: int = 0       # peak pinned bytes in use
+    host_pin_s: float = 0.0        # seconds spent pinning host memory (all pinning threads)
+    host_pin_wait_s: float = 0.0   # of which the training thread waited for a pin to finish
+    host_lagged: int = 0           # swap-outs kept on the GPU while the pins they needed ran
+    host_given_back_bytes: int = 0  # pinned bytes unregistered and freed (use had shrunk)
+    host_pins_in_flight: int = 0   # pins under way at the end of the step
 
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -45,7 +50,8 @@ class StepStats:
 _SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors",
            "live_bytes", "live_tensors", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "swapin_wait_ms", "swapout_waits",
-           "host_refused", "alloc_retries")
+           "host_refused", "alloc_retries", "host_pin_s", "host_pin_wait_s", "host_lagged",
+           "host_given_back_bytes")
 
 
 # Finished steps kept for ``LMS.stats()["history"]``. A run of a million steps must not grow by a
@@ -81,6 +87,7 @@ class RunStats:
         total["gpu_peak_bytes"] = max([self.gpu_peak_bytes] + [s.gpu_peak_bytes for s in live])
         total["host_peak_bytes"] = max([self.host_peak_bytes] + [s.host_peak_bytes for s in live])
         total["host_pinned_bytes"] = current.host_pinned_bytes
+        total["host_pins_in_flight"] = current.host_pins_in_flight
         return total
 
 
@@ -114,6 +121,10 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("allocator retries", last["alloc_retries"], t["alloc_retries"]),
         ("GPU peak allocated", last["gpu_peak_bytes"], t["gpu_peak_bytes"]),
         ("host pinned peak", last["host_peak_bytes"], t["host_peak_bytes"]),
+        ("host pinned", last["host_pinned_bytes"], t["host_pinned_bytes"]),
+        ("  pinning (s)", last["host_pin_s"], t["host_pin_s"]),
+        ("  waited for pins (s)", last["host_pin_wait_s"], t["host_pin_wait_s"]),
+        ("  kept, pins late", last["host_lagged"], t["host_lagged"]),
     ]
     for name, a, b in rows:
         cells = []
@@ -124,8 +135,10 @@ def format_summary(stats: Dict[str, object]) -> str:
                 cells.append(f"{v:>14}")
             elif "bytes" in name or name in ("swapped out", "swapped in", "kept on GPU",
                                              "kept, alive anyway", "GPU peak allocated",
-                                             "host pinned peak"):
+                                             "host pinned peak", "host pinned"):
                 cells.append(f"{_gib(v):>14}")
+            elif name.endswith("(s)"):
+                cells.append(f"{v:14.2f}")
             elif isinstance(v, float):
                 cells.append(f"{v:14.1f}")
             else:
