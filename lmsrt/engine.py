@@ -75,6 +75,7 @@ from ._timeline import format_bytes
 from .config import LMSConfig
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
+from .policy import make_policy
 from .stats import RunStats, StepStats
 
 __all__ = ["SwapEngine"]
@@ -303,10 +304,7 @@ class SwapEngine:
         self.run_stats = RunStats()
         self.step = StepStats()
         self.limit = device.memory_limit()
-        self.mark = int(config.lms_frac * self.limit)
-        # At a mark of 0 every byte is over it: let this much be held while its copies run, so
-        # they overlap forward instead of each pack waiting for the last copy.
-        self._overlap = min(self.window, self.limit >> 3)
+        self.policy = make_policy(config.lms_frac, self.limit, self.window)
         self._lock = threading.RLock()
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
@@ -316,7 +314,12 @@ class SwapEngine:
         self._cursor = -1              # next candidate in _order to prefetch (walks down)
         self._ahead = 0                # restored bytes not yet used
         self._index = 0                # storages saved in this forward
-        self._beyond_plan = 0          # bytes the mark rule swapped beyond the plan this step
+        self._beyond_plan = 0          # bytes swapped beyond the plan this step
+        self._bwd_point = 0            # unpacks so far in this backward (the policy's point j)
+        self._base = 0                 # GPU use when this step began
+        self._step_peak = 0            # highest peak read before a reset inside this step
+        self._rec = None               # the policy's Profile, while this step is recorded
+        self._rec_hold = 0             # what lmsrt held since the last recorded point
         self._forward_end_use = 0      # GPU use when forward ended, net of copies in flight
         self._timed_waits: list = []
         self._after_backward: set = set()  # threads whose saved tensors backward has used since
@@ -333,6 +336,13 @@ class SwapEngine:
         # An engine dropped without close() (no graph can use it then: a graph holds unpack)
         # still lets its copies finish before its pinned slabs go back (Rules 2, 8).
         weakref.finalize(self, _finish_copies, self.d2h, self.h2d)
+
+    @property
+    def mark(self) -> int:
+        """Use above which swapping starts: lms_frac x the limit, or under lms_frac="auto" the
+        bound the policy keeps predicted peaks under."""
+        policy = self.policy
+        return policy.bound if policy.auto else policy.mark
 
     # -- step boundaries ---------------------------------------------------------------------
 
@@ -361,6 +371,13 @@ class SwapEngine:
             self._forward_open = True
             if self.step.step:
                 self._finish_step()
+            self._base = base = self.device.memory_allocated()
+            self.policy.begin_step(self.plan, base)
+            self._rec = self.policy.recording
+            if self._rec is not None:
+                self.device.reset_peak()
+                self._rec_hold = self._held_bytes + self._ahead
+            self._step_peak = 0
             self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode,
                                   plan_target_bytes=self.plan.target if self.plan.planned else 0)
             self._retries_before = self.device.alloc_retries()
@@ -395,10 +412,11 @@ class SwapEngine:
             self.step.forward_end_bytes = self._forward_end_use
             self._by_ptr.clear()
             self._cursor = len(self._order) - 1
+            self._bwd_point = 0
 
     def _finish_step(self) -> None:
         s = self.step
-        s.gpu_peak_bytes = self.device.peak_allocated()
+        s.gpu_peak_bytes = max(self.device.peak_allocated(), self._step_peak)
         s.host_pinned_bytes = self.host.pinned_bytes
         s.host_peak_bytes = self.host.peak_used
         s.host_refused = self.host.refused
@@ -407,9 +425,14 @@ class SwapEngine:
         self._collect_waits(s)
         s.alloc_retries = self.device.alloc_retries() - self._retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
-        if s.alloc_retries and s.mode == "plan":
+        if s.alloc_retries and s.mode == "plan" and not self.policy.auto:
             self._warn_retries(s)
-        self.plan.finish_step(self._forward_end_use, s.out_bytes, self._beyond_plan, self.mark)
+        followed = self.plan.finish_step()
+        self.policy.finish_step(self.plan, followed=followed,
+                                forward_end_use=self._forward_end_use, swapped=s.out_bytes,
+                                beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
+                                retries=s.alloc_retries)
+        self._rec = None
         self.run_stats.add(s)
         self.device.reset_peak()
 
@@ -511,12 +534,22 @@ class SwapEngine:
         nbytes = storage.nbytes()
         index = self._index
         self._index += 1
-        if nbytes > self._largest[0]:
-            self._largest = (nbytes, index)
         if "compile" not in self._warned:
             caller = sys._getframe(1).f_back       # what called pack; None on autograd's threads
             if caller is not None and caller.f_code is _FUNCTION_APPLY:
                 self._check_compiled(caller.f_back)
+        if self._rec is not None:
+            self._record(False, nbytes)
+            try:
+                return self._decide(t, storage, version, nbytes, index)
+            finally:
+                self._recorded()
+        return self._decide(t, storage, version, nbytes, index)
+
+    def _decide(self, t: torch.Tensor, storage, version: int, nbytes: int, index: int):
+        """Swap, keep, or keep as alive anyway, the storage saved at forward point ``index``."""
+        if nbytes > self._largest[0]:
+            self._largest = (nbytes, index)
         self.device.note_saved(storage)
         ref = weakref.ref(storage)
         self._use_delta += nbytes
@@ -530,10 +563,13 @@ class SwapEngine:
             entry = self._by_ptr[storage.data_ptr()] = _Kept(ref, version)
             return entry
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
-        # stay over the mark once they are (else copies that lag forward would look like demand).
-        used = None if planned else self._gpu_use(nbytes)
+        # stay over the level once they are (else copies that lag forward would look like demand).
+        policy, plan = self.policy, self.plan
+        level = 0 if planned else policy.swap_at(plan, index)
+        hold = policy.hold_to(plan, index)
+        used = None if planned else self._gpu_use(nbytes, level or hold)
         entry = None
-        if planned or used - self._held_bytes > self._swap_mark():
+        if planned or used - self._held_bytes > level:
             entry = self._swap_out(t, storage, nbytes, index, ref, version)
             if entry is not None and not planned:
                 self._beyond_plan += nbytes
@@ -543,38 +579,32 @@ class SwapEngine:
             self.step.kept_tensors += 1
         self._by_ptr[storage.data_ptr()] = entry
         if self._held:
-            self._bound_held(self._gpu_use(nbytes) if used is None else used)
+            self._bound_held(self._gpu_use(nbytes, hold) if used is None else used, hold)
         return entry
 
-    def _swap_mark(self) -> int:
-        """Use above which an unplanned storage is swapped.
+    def _record(self, backward: bool, nbytes: int = 0) -> None:
+        """A point of a recorded step (policy.py, NOTE [ Auto ], 1): GPU use now and its peak
+        since the last point, less what lmsrt held meanwhile."""
+        device = self.device
+        used, peak = device.memory_allocated(), device.peak_allocated()
+        self._use_read, self._use_delta, self._use_age = used, 0, 0
+        if peak > self._step_peak:
+            self._step_peak = peak
+        base = self._base
+        self._rec.record(backward, used - base, peak - base, self._rec_hold,
+                         self._held_bytes + self._ahead, nbytes)
 
-        The first step swaps every eligible storage. It is the step in which cuDNN and cuBLAS
-        pick an algorithm per shape and keep it for the run, each time the fastest whose
-        workspace fits in what is free then; and a reactive step keeps its earliest storages
-        through the whole of its backward, so it runs out of memory where planned steps fit.
-        Measured on an H200 (benchmarks/results): a segmentation net at a 12 GiB cap, lms_frac
-        0.45, 1.89 s a step with a reactive first step against 0.43 s (cuDNN's dgrad picked
-        under pressure took 1.44 s of backward instead of 0.23 s); a GPT stack at an 8 GiB cap
-        ran out of memory in step 1 at every lms_frac above 0.5, and fits at 0.7 this way. The
-        plan then starts from everything and gives back the room step by step
-        (OffloadPlan.finish_step); the cost is a few steps of copies a model that fits would not
-        need.
+    def _recorded(self) -> None:
+        self._rec_hold = self._held_bytes + self._ahead
+        self.device.reset_peak()
 
-        Later reactive steps (a changed sequence) swap the latest storages, which their backward
-        needs first, on demand, right at the peak: from 1/8 under the mark, to leave them room.
-        """
-        if not self.run_stats.steps:
-            return 0
-        return self.mark if self.plan.mode == "plan" else self.mark - (self.mark >> 3)
-
-    def _gpu_use(self, nbytes: int = 0) -> int:
-        """GPU use, exact near the mark or for a decision about ``nbytes`` >= _EXACT_BYTES,
-        estimated otherwise (see _EXACT_EVERY). At a mark of 0 any use is over it, so no reading
-        is needed."""
+    def _gpu_use(self, nbytes: int, level: int) -> int:
+        """GPU use, exact near ``level`` (the policy's level for the decision at hand) or for a
+        decision about ``nbytes`` >= _EXACT_BYTES, estimated otherwise (see _EXACT_EVERY). At a
+        level of 0 any use is over it, so no reading is needed."""
         estimate = self._use_read + self._use_delta
-        if self.mark == 0 or (self._use_age < self._exact_every and nbytes < _EXACT_BYTES
-                              and estimate < self.mark - (self.mark >> 4)):
+        if level == 0 or (self._use_age < self._exact_every and nbytes < _EXACT_BYTES
+                          and estimate < level - (level >> 4)):
             self._use_age += 1
             return estimate
         self._use_read, self._use_delta, self._use_age = self.device.memory_allocated(), 0, 0
@@ -623,10 +653,12 @@ class SwapEngine:
         while held and (held[0].source is None or held[0].copy_done.query()):
             self._drop_source(held.popleft())              # Rule 2: copy seen complete
 
-    def _bound_held(self, used: int) -> None:
-        held, mark = self._held, self.mark
-        while held and (used > mark if mark else (self._held_bytes > self._overlap
-                                                  or used + self._overlap > self.limit)):
+    def _bound_held(self, used: int, level: int) -> None:
+        """Let go of held sources, oldest first, while use stands over ``level``; at a level of
+        0, while more than the policy's overlap is held or use would pass the limit."""
+        held, overlap = self._held, self.policy.overlap
+        while held and (used > level if level else (self._held_bytes > overlap
+                                                    or used + overlap > self.limit)):
             s = held.popleft()
             if s.source is None:
                 continue
@@ -653,11 +685,25 @@ class SwapEngine:
     # -- backward: unpack --------------------------------------------------------------------
 
     def unpack(self, ref):
+        if self._forward_open:
+            self.end_forward()
+        if self._rec is None:
+            try:
+                return self._unpack(ref)
+            finally:
+                self._bwd_point += 1
+        with self._lock:                        # a recorded step (policy.py, NOTE [ Auto ])
+            self._record(True)
+            try:
+                return self._unpack(ref)
+            finally:
+                self._bwd_point += 1
+                self._recorded()
+
+    def _unpack(self, ref):
         kind = type(ref)
         if kind is _KeptRef:
             self._after_backward.add(ref.thread)
-            if self._forward_open:
-                self.end_forward()
             t = ref.tensor
             if t._version != ref.version:
                 raise _modified_error(t.type(), t.size(), ref.producer, t._version, ref.version,
@@ -669,8 +715,6 @@ class SwapEngine:
         if kind is not _SwapRef:
             return ref                          # saved while lmsrt stepped aside
         self._after_backward.add(ref.thread)
-        if self._forward_open:
-            self.end_forward()
         with self._lock:
             if self._dead:
                 self._reap()
@@ -683,6 +727,8 @@ class SwapEngine:
                                   f"tensor of shape {tuple(ref.size)}, whose storage of "
                                   f"{format_bytes(s.nbytes)} did not fit")
                 raise
+            if self._rec is not None:
+                self._rec.used_at(s.seq, self._bwd_point)
             watch = ref.watch
             if watch.generation != s.generation:       # a handle counts once per restored copy
                 watch.generation = s.generation
@@ -801,22 +847,24 @@ class SwapEngine:
     def _advance(self) -> None:
         """Backward moved on: fetch the swapped storages it needs next, in reverse save
         order, while the restored-but-unused bytes stay within ``window`` and GPU use stays under
-        the mark. Backward uses saved data faster than H2D brings it back (~145 vs ~55 GB/s on a
-        GPT stack), so fetching starts as soon as memory allows, not when the data is near. At
-        ``lms_frac=0`` (a mark of 0) one storage is still fetched ahead, so that a copy overlaps
-        compute; above 0 the mark holds strictly, since in plan mode the next swapped storage is
-        needed only late in backward and fetching it early would land on the peak.
+        the policy's level (``fetch_to``). Backward uses saved data faster than H2D brings it back
+        (~145 vs ~55 GB/s on a GPT stack), so fetching starts as soon as memory allows, not when
+        the data is near. At a level of 0 (``lms_frac=0``, a learning step) one storage is still
+        fetched ahead, so that a copy overlaps compute; above 0 the level holds strictly, since
+        in plan mode the next swapped storage is needed only late in backward and fetching it
+        early would land on the peak.
         Backward does not walk the save order strictly downwards (inside a block it jumps about),
         so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order = self._order
+        level = self.policy.fetch_to(self.plan, self._bwd_point)
         while self._cursor >= 0:
             s = order[self._cursor]
             if (s.dead or s.consumed or s.gpu is not None or s.source is not None
                     or s.storage_ref() is not None):
                 self._cursor -= 1
                 continue
-            if (self._ahead or self.mark) and (self._ahead + s.nbytes > self.window
-                                               or self._gpu_use(s.nbytes) + s.nbytes > self.mark):
+            if (self._ahead or level) and (self._ahead + s.nbytes > self.window
+                                           or self._gpu_use(s.nbytes, level) + s.nbytes > level):
                 break
             try:
                 self._fetch(s)
@@ -935,24 +983,29 @@ class SwapEngine:
 
     def annotate_oom(self, exc: BaseException, where: str) -> None:
         """Add what lmsrt knows to an out-of-memory error raised while it is active: GPU use,
-        the mark, what this step swapped and kept, its largest saved storage, what to change."""
+        the policy's level, what this step swapped and kept, its largest saved storage, what to
+        change."""
         if getattr(exc, "_lmsrt_annotated", False):
             return
         exc._lmsrt_annotated = True
-        step, cfg = self.step, self.config
+        step, cfg, policy = self.step, self.config, self.policy
         refused = self.host.refused
+        if policy.auto:
+            level = "lms_frac=auto (below)"
+        else:
+            level = f"swapping starts at {format_bytes(policy.mark)} (lms_frac={cfg.lms_frac:g})"
         largest, largest_index = self._largest
         lines = [
             f"lmsrt: out of GPU memory with LMS on, {where}.",
             f"  GPU: {format_bytes(self.device.memory_allocated())} allocated now, "
-            f"{format_bytes(self.device.peak_allocated())} peak this step, of {format_bytes(self.limit)} this "
-            f"process may use; swapping starts at {format_bytes(self.mark)} "
-            f"(lms_frac={cfg.lms_frac:g}).",
+            f"{format_bytes(max(self.device.peak_allocated(), self._step_peak))} peak this step, "
+            f"of {format_bytes(self.limit)} this process may use; {level}.",
             f"  This step: {format_bytes(step.out_bytes)} swapped out ({step.out_tensors} storages), "
             f"{format_bytes(step.kept_bytes)} eligible but kept on the GPU; largest "
             f"saved storage {format_bytes(largest)} (saved {largest_index + 1}"
             f"{_ordinal(largest_index + 1)} in forward).",
         ]
+        lines += policy.oom_lines()
         if refused:
             lines.append(f"  {refused} saved tensors stayed on the GPU because the host memory "
                          "budget was reached or pinning failed: raise host_budget_gb "
@@ -960,12 +1013,19 @@ class SwapEngine:
         if "d2h" in self._warned:
             lines.append("  Copies to host memory failed (see the warning given then), so those "
                          "tensors stayed on the GPU.")
-        if self.mark == 0 and cfg.min_bytes <= 1 << 20:
-            lines.append("  Swapping is already at its most (lms_frac=0, lms<=1024 KB): what is "
+        at_most = policy.auto and policy.learning or not policy.auto and policy.mark == 0
+        if at_most and cfg.min_bytes <= 1 << 20:
+            lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 KB): "
+                         "what is "
                          "left is one layer's working set, parameters, gradients and optimizer "
                          "state. Lower the batch size, checkpoint activations "
                          "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
                          "layer.")
+        elif policy.auto:
+            lines.append(f"  To fit: lower lms (--lms, now {cfg.lms:g} KB) so smaller tensors go "
+                         "too; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
+                         "fragmentation; or give a fixed lms_frac (--lms-frac 0.5, say) to swap "
+                         "from a mark you choose.")
         else:
             lines.append(f"  To fit: lower lms_frac (--lms-frac, now {cfg.lms_frac:g}) so "
                          f"swapping starts earlier; lower lms (--lms, now {cfg.lms:g} KB) so "

@@ -1,28 +1,16 @@
-"""Record a step's sequence of saved storages, and plan which of them later steps offload.
+"""Record a step's sequence of saved storages, and which of them later steps offload.
 
-Step 1 swaps every eligible storage (SwapEngine._swap_mark says why); a later step whose
-sequence changed is reactive: storages are swapped once GPU use passes the mark (less 1/8, to
-leave its backward room), so the *latest* ones go out, which backward needs first. From the step
-after, if the sequence of saved storages repeats (same sizes in the same order), the plan
-offloads the *earliest* ones instead: backward needs them last, so their copies have the whole
-rest of forward to go out and most of backward to come back. It offloads only ``target`` bytes,
-and the target follows the measured peak:
+A step records the sizes of the storages it saves, in save order. If the next step repeats the
+sequence (same sizes in the same order), it follows the plan: it offloads the storages before
+``cutoff``, the *earliest* ones, which backward needs last, so their copies have the whole rest of
+forward to go out and most of backward to come back. How far the cutoff reaches is the policy's
+decision (policy.py: a fixed mark's target in bytes, or the smallest cutoff whose predicted peak
+fits). A sequence that differs (dynamic shapes) makes the rest of that step reactive and is
+recorded for the next one.
 
-- after an unplanned step, ``target`` = the bytes that step swapped;
-- after a planned step, it grows by how far GPU use at the end of forward (net of copies still in
-  flight) would have stood over the mark without what the mark rule swapped beyond the plan, and
-  shrinks by half the unused room when it stood well under with nothing swapped beyond the plan.
-
-Growing by all the bytes swapped beyond the plan would ratchet: a transient inside forward (a
-vocabulary-sized logits tensor, say) makes the mark rule swap a little every step whatever the
-plan offloads, and the target would grow by that much each step until everything is offloaded.
-
-The signal is use at the end of forward, not the step's peak: the plan controls what is resident
-when backward starts, while a peak inside backward (gradients, workspaces, the one storage always
-fetched ahead) does not fall by offloading more, and chasing it would end up swapping everything.
-
-A sequence that differs (dynamic shapes) makes the rest of that step reactive and is recorded
-for the next one.
+Storages that outlived last step's backward anyway (an input batch, a buffer, a frozen weight
+held as a tensor) are kept: copying them out frees nothing. That set is relearnt every
+``_RELEARN_LIVE`` steps, so a tensor a script held once, for a log, is not pinned for good.
 """
 from __future__ import annotations
 
@@ -32,8 +20,6 @@ from typing import List
 
 __all__ = ["OffloadPlan"]
 
-# Shrink the target only when the peak is this far under the mark, so the plan does not oscillate.
-_SLACK = 0.05
 _RELEARN_LIVE = 16
 
 
@@ -78,27 +64,25 @@ class OffloadPlan:
     def mark_live(self, index: int) -> None:
         self.live_now.add(index)
 
-    def finish_step(self, forward_end_use: int, swapped: int, beyond_plan: int, mark: int) -> None:
-        """Update the target from the step just finished and start recording the next one."""
+    def finish_step(self) -> bool:
+        """Start recording the next step; return whether the one just finished followed the
+        plan. The policy then sets the target (``set_target`` or ``set_cutoff``)."""
         followed = self.followed
-        # Storages kept because they outlived backward stay kept while the sequence repeats,
-        # relearnt every _RELEARN_LIVE steps (a tensor a script held once, for a log, is not
-        # pinned for good).
         self.live_age = self.live_age + 1 if followed and self.live_age < _RELEARN_LIVE else 0
         self.live, self.live_now = self.live_now | (self.live if self.live_age else set()), set()
-        if followed:
-            target = self.target + max(0, forward_end_use + beyond_plan - mark)
-            room = mark * (1 - _SLACK) - forward_end_use
-            if beyond_plan == 0 and room > 0:
-                target -= room / 2
-        else:
-            # A reactive step's own overshoot comes from its backward (it swapped the latest
-            # tensors, which come back first, at the peak): it says nothing about a plan.
-            target = swapped
         self.recorded, self.current = self.current, []
+        self.planned = bool(self.recorded)
+        self.matched = True
+        return followed
+
+    def set_target(self, target: int) -> None:
+        """Offload the earliest storages whose sizes add up to at least ``target`` bytes."""
         self.target = max(0, int(target))
         cumulative = list(itertools.accumulate(self.recorded))
         self.cutoff = min(len(cumulative), bisect.bisect_left(cumulative, self.target) + 1) \
             if self.target > 0 else 0
-        self.planned = bool(self.recorded)
-        self.matched = True
+
+    def set_cutoff(self, cutoff: int) -> None:
+        """Offload the storages before ``cutoff``."""
+        self.cutoff = max(0, min(cutoff, len(self.recorded)))
+        self.target = sum(self.recorded[:self.cutoff])

@@ -342,24 +342,27 @@ def test_plan_target_does_not_ratchet_on_a_transient_it_cannot_remove():
     ends under the mark (a transient inside forward): the target must settle, not grow by those
     bytes every step until everything is offloaded."""
     from lmsrt.plan import OffloadPlan
+    from lmsrt.policy import FixedPolicy
 
-    plan = OffloadPlan()
+    plan, policy = OffloadPlan(), FixedPolicy(lms_frac=0.3, limit=10000, window=1 << 30)
     sizes = [100] * 50
-    mark = 3000
+
+    def finish(**step):
+        policy.finish_step(plan, followed=plan.finish_step(), peak=0, retries=0, **step)
+
     for step in range(12):
         for i, n in enumerate(sizes):
             plan.offload(i, n)
         if step == 0:
-            plan.finish_step(forward_end_use=2500, swapped=1500, beyond_plan=0, mark=mark)
+            finish(forward_end_use=2500, swapped=1500, beyond_plan=0)
         else:
-            plan.finish_step(forward_end_use=2700, swapped=plan.target + 200, beyond_plan=200,
-                             mark=mark)
+            finish(forward_end_use=2700, swapped=plan.target + 200, beyond_plan=200)
     assert plan.target == 1500, plan.target
 
     # Over the mark at the end of forward, beyond-plan swaps included: grow by the excess only.
     for i, n in enumerate(sizes):
         plan.offload(i, n)
-    plan.finish_step(forward_end_use=2950, swapped=1700, beyond_plan=200, mark=mark)
+    finish(forward_end_use=2950, swapped=1700, beyond_plan=200)
     assert plan.target == 1650, plan.target
 
 

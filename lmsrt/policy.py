@@ -1,0 +1,382 @@
+"""How much lmsrt holds on the GPU, and when: the swap policy, beside the plan.
+
+The engine (engine.py) has the mechanism (copies, events, handles); the plan (plan.py) records
+the sequence of saved storages and which of them a step offloads. The policy decides the numbers.
+At every point of a step the engine asks it for three levels of GPU use (bytes allocated):
+
+  ``swap_at(i)``   at forward point i, a storage the plan keeps is swapped anyway if use, less
+                   the sources still being copied out, stands over this (0: swap everything);
+  ``hold_to(i)``   sources still being copied out are let go (the compute stream waits on the
+                   oldest copy) while use stands over this (0: hold at most ``overlap`` bytes);
+  ``fetch_to(j)``  at backward point j, storages are fetched ahead while use plus the next one
+                   stays within this (0: one storage ahead at most).
+
+Forward point i is the i-th storage saved in the step (its index in the plan); backward point j
+is the j-th unpack of the step's backward.
+
+``FixedPolicy`` is Caffe's ``lms_frac``: one mark, ``lms_frac`` x the limit, for all three, and
+the plan's target follows use at the end of forward (NOTE [ Fixed mark ]). ``AutoPolicy``
+(``lms_frac="auto"``) learns the model's own use instead (NOTE [ Auto ]).
+
+NOTE [ Auto ]
+What the model itself allocates beside the saved tensors rises and falls inside a step:
+workspaces, fp32 upcasts, a vocabulary-sized logits tensor and its gradient, gradients, optimizer
+temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is not flat").
+
+  1. Learn. The first step swaps every eligible storage and holds the least (the overlap rule,
+     one storage fetched ahead), and at every point reads GPU use and the peak since the last
+     point. Less what lmsrt held then (sources in flight, restored copies not yet used), that is
+     the model's own use at the point and its peak in the interval before it, relative to use
+     when the step began: a ``Profile``. It also notes at which backward point each storage was
+     used for the last time.
+  2. Plan. A storage the plan keeps on the GPU occupies its bytes from its save to its last use
+     in backward. For a cutoff c (storages saved before c are offloaded), the predicted peak of
+     each interval is the model's own peak there plus the kept storages alive then. The plan
+     takes the smallest c whose predicted peaks all stay under the bound, limit less the
+     headroom, from use at this step's start: it offloads only what must move, the earliest
+     first (backward needs them last).
+  3. Bound the rest by the same prediction: held sources so that use plus the model's growth in
+     the next interval stays under the bound; prefetch so that what is fetched ahead plus the
+     highest predicted use still to come in backward stays under it (a prefetch is held until
+     its use, which for the earliest storages is the end of backward); a kept storage is
+     swapped anyway when use runs over the prediction by more than the plan's slack.
+  4. Correct. The headroom starts at limit/32. A step whose peak passed the bound raises it by
+     the overshoot; allocator retries (the cache freed to go on, a device sync) raise it by
+     limit/32; after two clean steps it gives back limit/128, down to limit/64.
+  5. A step whose sequence differs is reactive: it swaps what passes the bound less the largest
+     growth the profile saw. A sequence that keeps changing is learnt again, at most every
+     ``_RELEARN`` steps.
+A model that fits under the bound plans a cutoff of 0: nothing moves.
+
+NOTE [ Fixed mark ]
+Step 1 swaps every eligible storage (``FixedPolicy.swap_at`` says why). The plan's target then
+follows use at the end of forward: it grows by how far that use (net of copies in flight) stood
+over the mark without what the mark rule swapped beyond the plan, and shrinks by half the unused
+room when it stood well under with nothing swapped beyond the plan. Growing by everything swapped
+beyond the plan would ratchet: a transient inside forward (a vocabulary-sized logits tensor)
+makes the mark rule swap a little every step whatever the plan offloads. The signal is use at the
+end of forward, not the step's peak: the plan controls what is resident when backward starts,
+while a peak inside backward does not fall by offloading more.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from .plan import OffloadPlan
+
+__all__ = ["FixedPolicy", "AutoPolicy", "Profile", "make_policy"]
+
+_SLACK = 0.05      # FixedPolicy shrinks its target only when this far under the mark
+_RELEARN = 16      # AutoPolicy learns a changed sequence again at most this often (steps)
+_NEVER = 1 << 62
+
+
+class FixedPolicy:
+    """``lms_frac`` a number: swapping starts when GPU use passes ``lms_frac`` x the limit."""
+
+    auto = False
+    learning = False
+    recording = None          # records no profile
+
+    def __init__(self, lms_frac: float, limit: int, window: int):
+        self.lms_frac = lms_frac
+        self.limit = limit
+        self.mark = int(lms_frac * limit)
+        # At a mark of 0 every byte is over it: let this much be held while its copies run, so
+        # they overlap forward instead of each pack waiting for the last copy.
+        self.overlap = min(window, limit >> 3)
+        self._first = True
+        self._reactive_mark = self.mark - (self.mark >> 3)
+
+    def begin_step(self, plan: OffloadPlan, base: int) -> None:
+        pass
+
+    def swap_at(self, plan: OffloadPlan, i: int) -> int:
+        """The first step swaps every eligible storage. It is the step in which cuDNN and cuBLAS
+        pick an algorithm per shape and keep it for the run, each time the fastest whose
+        workspace fits in what is free then; and a reactive step keeps its earliest storages
+        through the whole of its backward, so it runs out of memory where planned steps fit.
+        Measured on an H200 (benchmarks/results): a segmentation net at a 12 GiB cap, lms_frac
+        0.45, 1.89 s a step with a reactive first step against 0.43 s (cuDNN's dgrad picked
+        under pressure took 1.44 s of backward instead of 0.23 s); a GPT stack at an 8 GiB cap
+        ran out of memory in step 1 at every lms_frac above 0.5, and fits at 0.7 this way.
+
+        Later reactive steps (a changed sequence) swap the latest storages, which their backward
+        needs first, on demand, right at the peak: from 1/8 under the mark, to leave them room."""
+        if self._first:
+            return 0
+        return self.mark if plan.mode == "plan" else self._reactive_mark
+
+    def hold_to(self, plan: OffloadPlan, i: int) -> int:
+        return self.mark
+
+    def fetch_to(self, plan: OffloadPlan, j: int) -> int:
+        return self.mark
+
+    def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
+                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
+        """NOTE [ Fixed mark ]."""
+        self._first = False
+        mark = self.mark
+        if followed:
+            target = plan.target + max(0, forward_end_use + beyond_plan - mark)
+            room = mark * (1 - _SLACK) - forward_end_use
+            if beyond_plan == 0 and room > 0:
+                target -= room / 2
+        else:
+            # A reactive step's own overshoot comes from its backward (it swapped the latest
+            # tensors, which come back first, at the peak): it says nothing about a plan.
+            target = swapped
+        plan.set_target(max(0, int(target)))
+
+    def describe(self) -> dict:
+        return {"policy": "fixed", "mark_bytes": self.mark}
+
+    def oom_lines(self) -> List[str]:
+        return []
+
+
+class Profile:
+    """What a learning step measured, relative to GPU use when it began (NOTE [ Auto ], 1)."""
+
+    def __init__(self) -> None:
+        self.sizes: List[int] = []       # storage sizes in save order
+        self.fwd_own: List[int] = []     # the model's own use at forward point i
+        self.fwd_peak: List[int] = []    # its peak in the interval ending at point i
+        self.bwd_own: List[int] = []     # the same at backward point j
+        self.bwd_peak: List[int] = []
+        self.last_use: List[int] = []    # backward point of each storage's last unpack
+        self.live: set = set()           # storages alive anyway (never worth keeping count of)
+
+    def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
+               nbytes: int = 0) -> None:
+        own = used - held_now
+        own_peak = max(peak - held_before, own)
+        if backward:
+            self.bwd_own.append(own)
+            self.bwd_peak.append(own_peak)
+        else:
+            self.sizes.append(nbytes)
+            self.last_use.append(_NEVER)
+            self.fwd_own.append(own)
+            self.fwd_peak.append(own_peak)
+
+    def used_at(self, i: int, j: int) -> None:
+        if 0 <= i < len(self.last_use):
+            self.last_use[i] = j
+
+    def growth(self) -> int:
+        """The largest rise of the model's own use within one interval."""
+        own = self.fwd_own + self.bwd_own
+        peak = self.fwd_peak + self.bwd_peak
+        return max((p - o for o, p in zip(own, peak[1:])), default=0)
+
+
+class AutoPolicy:
+    """``lms_frac="auto"``: NOTE [ Auto ]."""
+
+    auto = True
+
+    def __init__(self, limit: int, window: int):
+        self.limit = limit
+        self.overlap = min(window, limit >> 3)
+        self.headroom = limit >> 5
+        self.floor = limit >> 6
+        self.profile: Optional[Profile] = None
+        self.learning = True           # this step records a profile
+        self._recording: Optional[Profile] = None
+        self._since_learnt = 0
+        self._clean = 0
+        self._base = 0
+        self._cutoff = -1
+        self._planned_for = None       # (base quantum, headroom) the arrays were made for
+        self._swap: List[int] = []
+        self._hold: List[int] = []
+        self._fetch: List[int] = []
+        self._reactive = 0
+        self.predicted_peak = 0
+        self.why = "learning the model's own use (step 1 swaps every eligible tensor)"
+
+    # -- the three levels ----------------------------------------------------------------------
+
+    @property
+    def bound(self) -> int:
+        return self.limit - self.headroom
+
+    def begin_step(self, plan: OffloadPlan, base: int) -> None:
+        self._base = base
+        if self.learning:
+            self._recording = Profile()
+            return
+        self._recording = None
+        if self.profile is not None and plan.planned:
+            self._make_plan(plan, base)
+
+    def swap_at(self, plan: OffloadPlan, i: int) -> int:
+        if self.learning:
+            return 0
+        if plan.mode == "plan" and i < len(self._swap):
+            return self._base + self._swap[i]
+        return self._reactive
+
+    def hold_to(self, plan: OffloadPlan, i: int) -> int:
+        if self.learning:
+            return 0
+        if plan.mode == "plan" and i < len(self._hold):
+            return self._base + self._hold[i]
+        return self._reactive
+
+    def fetch_to(self, plan: OffloadPlan, j: int) -> int:
+        if self.learning:
+            return 0
+        if plan.mode == "plan" and self._fetch:
+            return self._base + self._fetch[min(j, len(self._fetch) - 1)]
+        return self._reactive
+
+    # -- learning ----------------------------------------------------------------------------
+
+    @property
+    def recording(self) -> Optional[Profile]:
+        return self._recording
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _make_plan(self, plan: OffloadPlan, base: int) -> None:
+        prof = self.profile
+        budget = self.bound - base
+        key = (budget >> 24, len(plan.recorded))
+        if key == self._planned_for:
+            return
+        self._planned_for = key
+        n = len(prof.sizes)
+        live = plan.live | prof.live
+        sizes = [0 if i in live else size for i, size in enumerate(prof.sizes)]
+        last = [min(u, len(prof.bwd_own)) for u in prof.last_use]
+        low, high = 0, n
+        if self._peak_for(n, sizes, last)[0] > budget:
+            low = n                      # even everything offloaded is predicted not to fit
+        while low < high:
+            mid = (low + high) // 2
+            if self._peak_for(mid, sizes, last)[0] <= budget:
+                high = mid
+            else:
+                low = mid + 1
+        peak, kept_fwd, kept_bwd = self._peak_for(low, sizes, last)
+        self._cutoff = low
+        plan.set_cutoff(low)
+        self.predicted_peak = base + peak
+        slack = max(0, budget - peak)
+        fwd_own, fwd_peak = prof.fwd_own, prof.fwd_peak
+        bwd_own, bwd_peak = prof.bwd_own, prof.bwd_peak
+        self._swap = [fwd_own[i] + kept_fwd[i] + slack for i in range(n)]
+        nxt = fwd_peak[1:] + bwd_peak[:1]
+        self._hold = [budget - max(0, nxt[i] - fwd_own[i]) if i < len(nxt) else budget
+                      for i in range(n)]
+        # Highest predicted use in backward after point j, against predicted use at j.
+        fetch: List[int] = [0] * len(bwd_own)
+        later = None
+        for j in range(len(bwd_own) - 1, -1, -1):
+            now = bwd_own[j] + kept_bwd[j]
+            fetch[j] = budget - max(0, later - now) if later is not None else budget
+            here = bwd_peak[j] + kept_bwd[j]
+            later = here if later is None else max(later, here)
+        self._fetch = fetch
+        self._reactive = base + budget - prof.growth()
+        moved = sum(sizes[:low])
+        self.why = (f"offloads the first {low} of {n} saved storages ({moved / 2**30:.2f} GiB) so "
+                    f"that the predicted peak, {(base + peak) / 2**30:.2f} GiB, stays under "
+                    f"{self.bound / 2**30:.2f} GiB (limit less {self.headroom / 2**30:.2f} GiB "
+                    "headroom)" if low else
+                    f"keeps everything on the GPU: the predicted peak, {(base + peak) / 2**30:.2f} "
+                    f"GiB, is under {self.bound / 2**30:.2f} GiB")
+
+    def _peak_for(self, c: int, sizes: List[int], last: List[int]):
+        """The predicted peak (relative) with storages before ``c`` offloaded, and the kept
+        bytes alive at each forward and backward point."""
+        prof = self.profile
+        n, p = len(sizes), len(prof.bwd_own)
+        best = -_NEVER
+        kept_fwd = [0] * n
+        k = 0
+        for i in range(n):
+            kept_fwd[i] = k
+            if prof.fwd_peak[i] + k > best:
+                best = prof.fwd_peak[i] + k
+            if i >= c:
+                k += sizes[i]
+        ends = [0] * (p + 1)
+        for i in range(c, n):
+            if sizes[i]:
+                ends[last[i]] += sizes[i]
+        kept_bwd = [0] * p
+        alive = ends[p]
+        for j in range(p - 1, -1, -1):
+            alive += ends[j]
+            kept_bwd[j] = alive
+            if prof.bwd_peak[j] + alive > best:
+                best = prof.bwd_peak[j] + alive
+        return best, kept_fwd, kept_bwd
+
+    # -- after a step ------------------------------------------------------------------------
+
+    def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
+                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
+        if self.learning:
+            prof = self._recording
+            self._recording = None
+            self.learning = False
+            self._since_learnt = 0
+            if prof is not None and prof.sizes and len(prof.sizes) == len(plan.current):
+                prof.live = set(plan.live_now)
+                self.profile = prof
+                self.why = "learnt the model's own use; planning from the next step"
+            plan.set_target(0)
+            self._planned_for = None
+            return
+        self._since_learnt += 1
+        limit, bound = self.limit, self.bound
+        if retries:
+            self.headroom = min(limit >> 2, self.headroom + (limit >> 5))
+            self._clean = 0
+            self.why = (f"the allocator freed its cache {retries} time(s) to go on: headroom "
+                        f"raised to {self.headroom / 2**30:.2f} GiB")
+        elif peak > bound:
+            self.headroom = min(limit >> 2, self.headroom + peak - bound)
+            self._clean = 0
+            self.why = (f"the step's peak, {peak / 2**30:.2f} GiB, passed the bound: headroom "
+                        f"raised to {self.headroom / 2**30:.2f} GiB")
+        else:
+            self._clean += 1
+            if self._clean >= 2 and self.headroom > self.floor:
+                self.headroom = max(self.floor, self.headroom - (limit >> 7))
+                self._clean = 0
+                self.why = f"clean steps: headroom given back to {self.headroom / 2**30:.2f} GiB"
+        if not followed and self._since_learnt >= _RELEARN:
+            self.learning = True        # the sequence changed: learn it again
+            self.why = "the sequence of saved tensors changed: learning it again"
+        if self.profile is None:
+            plan.set_target(swapped)
+            self._reactive = bound - self.overlap
+        self._planned_for = None
+
+    def describe(self) -> dict:
+        return {"policy": "auto", "headroom_bytes": self.headroom, "bound_bytes": self.bound,
+                "predicted_peak_bytes": self.predicted_peak, "cutoff": self._cutoff,
+                "why": self.why}
+
+    def oom_lines(self) -> List[str]:
+        prof = self.profile
+        lines = [f"  lms_frac=auto: kept GPU use under {self.bound / 2**30:.2f} GiB (limit less "
+                 f"{self.headroom / 2**30:.2f} GiB headroom); {self.why}."]
+        if prof is None:
+            lines.append("  It was still learning the model's own use (the first step swaps "
+                         "every eligible tensor); what is left is the model's own working set.")
+        return lines
+
+
+def make_policy(lms_frac, limit: int, window: int):
+    """The policy for a setting of ``lms_frac``: "auto" or a fraction."""
+    if lms_frac == "auto":
+        return AutoPolicy(limit, window)
+    return FixedPolicy(float(lms_frac), limit, window)
+
