@@ -316,7 +316,7 @@ class SwapEngine:
         self._index = 0                # storages saved in this forward
         self._beyond_plan = 0          # bytes swapped beyond the plan this step
         self._bwd_point = 0            # unpacks so far in this backward (the policy's point j)
-        self._base = 0                 # GPU use when this step began
+        self._base = None              # GPU use at this step's first save (None: not yet)
         self._step_peak = 0            # highest peak read before a reset inside this step
         self._rec = None               # the policy's Profile, while this step is recorded
         self._rec_hold = 0             # what lmsrt held since the last recorded point
@@ -371,15 +371,9 @@ class SwapEngine:
             self._forward_open = True
             if self.step.step:
                 self._finish_step()
-            self._base = base = self.device.memory_allocated()
-            self.policy.begin_step(self.plan, base)
-            self._rec = self.policy.recording
-            if self._rec is not None:
-                self.device.reset_peak()
-                self._rec_hold = self._held_bytes + self._ahead
+            self._base = None
             self._step_peak = 0
-            self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode,
-                                  plan_target_bytes=self.plan.target if self.plan.planned else 0)
+            self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
             self._retries_before = self.device.alloc_retries()
             self.compute = stream
             self._compute_key = self.device.stream_key()
@@ -390,8 +384,26 @@ class SwapEngine:
             self._index = self._beyond_plan = 0
             self._largest = (0, 0)
             self.host.new_step()
-            if self.plan.planned:
-                self.host.reserve(self.plan.target)
+
+    def _begin_plan(self) -> None:
+        """The step's first saved storage: GPU use now is the base its policy plans from. (Not
+        at ``begin_forward``: under ``lmsrt run`` the first step begins with the script, before
+        its model exists, later steps with their first save; the first save is the same point
+        in every step either way.)"""
+        self._base = base = self.device.memory_allocated()
+        self._use_read, self._use_delta, self._use_age = base, 0, 0
+        policy, plan, step = self.policy, self.plan, self.step
+        policy.begin_step(plan, base)
+        self._rec = policy.recording
+        if self._rec is not None:
+            self.device.reset_peak()
+            self._rec_hold = self._held_bytes + self._ahead
+        step.plan_target_bytes = plan.target if plan.planned else 0
+        step.bound_bytes = self.mark
+        for name, value in policy.step_figures().items():
+            setattr(step, name, value)
+        if plan.planned:
+            self.host.reserve(plan.target)
 
     def _sweep_orphans(self) -> None:
         """Release storages that no handle holds: a pack interrupted before it handed its handle
@@ -432,6 +444,7 @@ class SwapEngine:
                                 forward_end_use=self._forward_end_use, swapped=s.out_bytes,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries)
+        s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
         self.device.reset_peak()
@@ -538,6 +551,9 @@ class SwapEngine:
             caller = sys._getframe(1).f_back       # what called pack; None on autograd's threads
             if caller is not None and caller.f_code is _FUNCTION_APPLY:
                 self._check_compiled(caller.f_back)
+        self.device.note_saved(storage)
+        if self._base is None:
+            self._begin_plan()
         if self._rec is not None:
             self._record(False, nbytes)
             try:
@@ -550,7 +566,6 @@ class SwapEngine:
         """Swap, keep, or keep as alive anyway, the storage saved at forward point ``index``."""
         if nbytes > self._largest[0]:
             self._largest = (nbytes, index)
-        self.device.note_saved(storage)
         ref = weakref.ref(storage)
         self._use_delta += nbytes
         self._release_finished()

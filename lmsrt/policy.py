@@ -129,8 +129,13 @@ class FixedPolicy:
             target = swapped
         plan.set_target(max(0, int(target)))
 
-    def describe(self) -> dict:
-        return {"policy": "fixed", "mark_bytes": self.mark}
+    @staticmethod
+    def step_figures() -> dict:
+        return {}
+
+    @staticmethod
+    def note() -> str:
+        return ""
 
     def oom_lines(self) -> List[str]:
         return []
@@ -326,11 +331,13 @@ class AutoPolicy:
             self._recording = None
             self.learning = False
             self._since_learnt = 0
-            if prof is not None and prof.sizes and len(prof.sizes) == len(plan.current):
-                prof.live = set(plan.live_now)
+            if prof is not None and prof.sizes and len(prof.sizes) == len(plan.recorded):
+                prof.live = set(plan.live)
                 self.profile = prof
                 self.why = "learnt the model's own use; planning from the next step"
-            plan.set_target(0)
+            elif self.profile is None:
+                self._reactive = self.bound - self.overlap
+            plan.set_target(swapped)
             self._planned_for = None
             return
         self._since_learnt += 1
@@ -359,10 +366,13 @@ class AutoPolicy:
             self._reactive = bound - self.overlap
         self._planned_for = None
 
-    def describe(self) -> dict:
-        return {"policy": "auto", "headroom_bytes": self.headroom, "bound_bytes": self.bound,
-                "predicted_peak_bytes": self.predicted_peak, "cutoff": self._cutoff,
-                "why": self.why}
+    def step_figures(self) -> dict:
+        """What a step runs with, for its StepStats."""
+        return {"headroom_bytes": self.headroom, "predicted_peak_bytes": self.predicted_peak}
+
+    def note(self) -> str:
+        """What the policy learnt or changed after the step just finished."""
+        return self.why
 
     def oom_lines(self) -> List[str]:
         prof = self.profile

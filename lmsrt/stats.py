@@ -42,6 +42,11 @@ class StepStats:
     host_lagged: int = 0           # swap-outs kept on the GPU while the pins they needed ran
     host_given_back_bytes: int = 0  # pinned bytes unregistered and freed (use had shrunk)
     host_pins_in_flight: int = 0   # pins under way at the end of the step
+    bound_bytes: int = 0           # the level lmsrt kept use under: lms_frac x the limit, or under
+                                   # lms_frac="auto" the limit less the headroom
+    headroom_bytes: int = 0        # auto: room kept free under the limit (fragmentation, error)
+    predicted_peak_bytes: int = 0  # auto: the peak the plan predicted for this step
+    policy_note: str = ""          # auto: what the policy learnt or changed after this step
 
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -98,12 +103,18 @@ def _gib(n: float) -> str:
 def format_summary(stats: Dict[str, object]) -> str:
     """The one-screen summary of ``LMS.stats()``."""
     t, last = stats["total"], stats["last_step"]
+    frac = stats["config"]["lms_frac"]
+    frac = frac if isinstance(frac, str) else f"{frac:g}"
     lines = [
-        f"lmsrt  lms={stats['config']['lms']:g} KB  lms_frac={stats['config']['lms_frac']:g}  "
+        f"lmsrt  lms={stats['config']['lms']:g} KB  lms_frac={frac}  "
         f"device={stats['device']}  mark={stats['mark_bytes'] / GiB:.2f} GiB  "
         f"allocator={stats['allocator']}  copy path={stats['copy_path']}",
-        f"{'':22}{'last step':>14}{'total':>14}",
     ]
+    if last.get("policy_note"):
+        lines.append(f"auto: use kept under {last['bound_bytes'] / GiB:.2f} GiB (headroom "
+                     f"{last['headroom_bytes'] / GiB:.2f} GiB), predicted peak "
+                     f"{last['predicted_peak_bytes'] / GiB:.2f} GiB; {last['policy_note']}")
+    lines.append(f"{'':22}{'last step':>14}{'total':>14}")
     rows = [
         ("steps", None, t["steps"]),
         ("mode", last["mode"], None),

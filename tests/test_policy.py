@@ -1,0 +1,189 @@
+"""The swap policy (policy.py): lms_frac="auto" against scripted model memory on the simulated
+device, which runs out of memory at its capacity like the caching allocator does at its limit.
+
+The model is a chain of layers that each save their input (the tensors lmsrt swaps), beside
+memory of the model's own that saves nothing: fixed state (parameters, optimizer state), a
+transient inside forward (a workspace, an fp32 upcast), and one at the start of backward (a
+vocabulary-sized logits gradient). Those are what a fixed mark cannot see (issue: the conv net
+ran out in forward, the LM in backward, at lms_frac 0.75)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmsrt
+from lmsrt.device import SimulatedDevice
+from lmsrt.plan import OffloadPlan
+from lmsrt.policy import AutoPolicy, Profile
+
+MiB = 1 << 16          # scaled down: the sizes relate as MiB would, and run fast on a CPU
+
+
+class _Layer(torch.autograd.Function):
+    """y = x * w; saves x. Allocates ``fwd_extra`` bytes of the model's own memory for the
+    length of its forward and ``bwd_extra`` for the length of its backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, device, fwd_extra, bwd_extra):
+        ctx.save_for_backward(x, w)
+        ctx.device, ctx.bwd_extra = device, bwd_extra
+        if fwd_extra:
+            device.empty(fwd_extra)          # allocated and freed inside the interval
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        if ctx.bwd_extra:
+            ctx.device.empty(ctx.bwd_extra)
+        return grad * w, (grad * x).sum(0), None, None, None
+
+
+class Scripted:
+    """``layers`` layers saving ``act`` bytes each, ``state`` bytes held for the run, and
+    transients: ``fwd`` bytes at forward layer ``fwd_at``, ``bwd`` bytes in the last layer's
+    backward (the first to run)."""
+
+    def __init__(self, device, layers=16, act=12 * MiB, state=32 * MiB, fwd=0, fwd_at=None,
+                 bwd=0):
+        torch.manual_seed(0)
+        self.device = device
+        self.cols = 256
+        self.rows = act // (4 * self.cols)
+        self.weights = [torch.randn(self.cols, requires_grad=True) for _ in range(layers)]
+        self.state = device.empty(state)
+        self.fwd, self.fwd_at, self.bwd = fwd, fwd_at, bwd
+
+    def step(self, x):
+        n = len(self.weights)
+        for i, w in enumerate(self.weights):
+            x = _Layer.apply(x, w, self.device, self.fwd if i == self.fwd_at else 0,
+                             self.bwd if i == n - 1 else 0)
+        return x.sum()
+
+    def grads(self):
+        return [w.grad.clone() for w in self.weights]
+
+
+def _train(device, lms_frac, steps=8, **script):
+    """Train the scripted model; return (grads per step, stats) or raise the OOM."""
+    model = Scripted(device, **script)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac)
+    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for _ in range(steps):
+        for w in model.weights:
+            w.grad = None
+        with lms:
+            loss = model.step(x0.clone().requires_grad_())
+        loss.backward()
+        grads.append(model.grads())
+    return grads, lms.stats()
+
+
+def _reference(steps=8, **script):
+    device = SimulatedDevice(capacity=1 << 40)
+    model = Scripted(device, **script)
+    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for _ in range(steps):
+        for w in model.weights:
+            w.grad = None
+        model.step(x0.clone().requires_grad_()).backward()
+        grads.append(model.grads())
+    return grads
+
+
+def _steps(stats):
+    return stats["history"] + [stats["last_step"]]
+
+
+# 16 layers x 12 MiB saved + 32 MiB state = 224 MiB in use at the end of forward, uncapped.
+BACKWARD_TRANSIENT = dict(bwd=96 * MiB)                   # peak ~320 MiB uncapped
+FORWARD_TRANSIENT = dict(fwd=120 * MiB, fwd_at=15)        # peak ~330 MiB uncapped
+CAP = 256 * MiB
+
+
+@pytest.mark.parametrize("script", [BACKWARD_TRANSIENT, FORWARD_TRANSIENT],
+                         ids=["backward-transient", "forward-transient"])
+def test_a_fixed_mark_runs_out_where_auto_fits(script):
+    with pytest.raises(torch.OutOfMemoryError):
+        _train(SimulatedDevice(capacity=CAP, strict=True), 0.75, **script)
+
+    device = SimulatedDevice(capacity=CAP, strict=True)
+    grads, stats = _train(device, "auto", **script)
+    for got, want in zip(grads, _reference(**script)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    steps = _steps(stats)
+    assert all(s["gpu_peak_bytes"] <= CAP for s in steps)
+    # It moves only what must move: far less than the 180 MiB eligible per step once planned
+    # (the first layer's input is a leaf that requires grad: not eligible).
+    saved = 15 * 12 * MiB
+    assert steps[0]["out_bytes"] == saved                 # step 1 learns with everything out
+    for s in steps[2:]:
+        assert 0 < s["out_bytes"] < saved * 0.75, s["out_bytes"]
+        assert s["mode"] == "plan"
+
+
+def test_auto_stops_swapping_a_model_that_fits():
+    device = SimulatedDevice(capacity=512 * MiB, strict=True)
+    grads, stats = _train(device, "auto", **BACKWARD_TRANSIENT)
+    for got, want in zip(grads, _reference(**BACKWARD_TRANSIENT)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    steps = _steps(stats)
+    assert steps[0]["out_bytes"] > 0
+    assert all(s["out_bytes"] == 0 and s["in_bytes"] == 0 for s in steps[1:]), \
+        [s["out_bytes"] for s in steps]
+
+
+@pytest.mark.parametrize("script", [BACKWARD_TRANSIENT, FORWARD_TRANSIENT],
+                         ids=["backward-transient", "forward-transient"])
+def test_auto_offloads_about_what_the_cap_requires(script):
+    """The plan's offload is the smallest whose predicted peak fits: the uncapped peak less the
+    bound (the cap less the headroom), give or take a storage, not everything, and not what
+    some fraction of the cap would say."""
+    _, stats = _train(SimulatedDevice(capacity=1 << 40), 1.0, **script)     # nothing swapped
+    uncapped = max(s["gpu_peak_bytes"] for s in _steps(stats)[1:])
+    _, stats = _train(SimulatedDevice(capacity=CAP, strict=True), "auto", **script)
+    least, most = uncapped - (CAP - (CAP >> 6)), uncapped - (CAP - (CAP >> 5))  # headroom range
+    assert least > 0
+    for s in _steps(stats)[2:]:
+        assert least <= s["out_bytes"] <= most + 12 * MiB, (s["out_bytes"], least, most)
+
+
+def _profile(fwd_own, fwd_peak, bwd_own, bwd_peak, sizes, last_use):
+    prof = Profile()
+    prof.sizes, prof.fwd_own, prof.fwd_peak = list(sizes), list(fwd_own), list(fwd_peak)
+    prof.bwd_own, prof.bwd_peak, prof.last_use = list(bwd_own), list(bwd_peak), list(last_use)
+    return prof
+
+
+def test_plan_keeps_predicted_peaks_under_the_bound():
+    """Four storages of 100 saved in forward and used in reverse in backward; a transient of 350
+    right after the first unpack (a logits gradient). Keeping everything peaks there at 350 +
+    the three storages not yet used; under a bound of 620 the plan must offload the earliest
+    one only."""
+    limit = 640
+    policy = AutoPolicy(limit=limit, window=1 << 30)
+    policy.learning = False
+    policy.profile = _profile(fwd_own=[100, 100, 100, 100], fwd_peak=[100, 100, 100, 100],
+                              bwd_own=[0, 100, 100, 100], bwd_peak=[100, 350, 100, 100],
+                              sizes=[100] * 4, last_use=[3, 2, 1, 0])
+    plan = OffloadPlan()
+    plan.recorded, plan.planned = [100] * 4, True
+    policy.begin_step(plan, base=0)
+    assert policy.bound == limit - (limit >> 5)
+    assert plan.cutoff == 1, plan.cutoff
+    # At backward point 0 the transient is still to come: fetching ahead leaves it room. Once
+    # it has passed, fetching may fill up to the bound.
+    assert policy.fetch_to(plan, 0) < policy.fetch_to(plan, 2) == policy.bound
+    # A peak over the bound raises the headroom; clean steps give it back, down to the floor.
+    followed = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0, retries=0)
+    policy.finish_step(plan, peak=limit - 4, **followed)
+    raised = policy.headroom
+    assert raised > limit >> 5
+    for _ in range(40):
+        policy.finish_step(plan, peak=0, **followed)
+    assert policy.headroom == policy.floor < raised
+    policy.finish_step(plan, peak=0, **dict(followed, retries=2))
+    assert policy.headroom > policy.floor
