@@ -187,3 +187,72 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     assert policy.headroom == policy.floor < raised
     policy.finish_step(plan, peak=0, **dict(followed, retries=2))
     assert policy.headroom > policy.floor
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+class _LMHead(torch.nn.Module):
+    """MLP blocks and a vocabulary-sized head with cross-entropy on fp32 logits: the logits, the
+    log-softmax CE saves and the logits' gradient are transients of the model's own that a fixed
+    mark does not see (issue: the LM ran out in backward at lms_frac 0.75)."""
+
+    def __init__(self, d=1024, layers=8, vocab=16384):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[torch.nn.Sequential(
+            torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+            for _ in range(layers)])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.blocks(x)).float(), y)
+
+
+def _lm_steps(lms_frac, cap, steps=6):
+    """Gradients of each step of the LM head, under ``cap`` bytes with LMS at ``lms_frac`` (or
+    uncapped without LMS when ``lms_frac`` is None), and the stats."""
+    torch.manual_seed(0)
+    model = _LMHead().cuda()
+    x = torch.randn(8192, 1024, device="cuda")
+    y = torch.randint(0, 16384, (8192,), device="cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if cap:
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+    lms = lmsrt.LMS(lms=1000, lms_frac=lms_frac) if lms_frac is not None else None
+    grads = []
+    try:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            if lms is None:
+                loss = model(x, y)
+            else:
+                with lms:
+                    loss = model(x, y)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return grads, (lms.stats() if lms else None)
+    finally:
+        if lms is not None:
+            lms.close()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+def test_lm_head_out_of_memory_at_a_fixed_mark_trains_at_auto():
+    want, _ = _lm_steps(None, None, steps=3)
+    torch.cuda.reset_peak_memory_stats()
+    _lm_steps(None, None, steps=2)
+    uncapped = torch.cuda.max_memory_allocated()
+    cap = uncapped - (3 << 29)                      # 1.5 GiB under the uncapped peak
+    with pytest.raises(torch.OutOfMemoryError):
+        _lm_steps(0.75, cap)
+    got, stats = _lm_steps("auto", cap)
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+    steps = stats["history"] + [stats["last_step"]]
+    saved = steps[0]["out_bytes"]                   # step 1 learns with everything out
+    for s in steps[2:]:
+        assert s["mode"] == "plan"
+        assert s["out_bytes"] < saved, (s["out_bytes"], saved)
