@@ -6,29 +6,17 @@ import html as _html
 import io
 from typing import TYPE_CHECKING, List, Optional
 
+from .units import GiB, MiB, format_bytes
+
 if TYPE_CHECKING:
     from .report import MemoryReport
 
-__all__ = ["format_bytes", "format_text", "summary_lines", "png_bytes", "html",
+__all__ = ["format_text", "summary_lines", "png_bytes", "html",
            "MATPLOTLIB_MISSING"]
 
 MATPLOTLIB_MISSING = "matplotlib is not installed, so no timeline PNG: pip install matplotlib"
 _COLUMNS = ("saved", "params", "grads", "optim", "transient")
 _PHASE_COLORS = {"forward": "#e8f0fe", "backward": "#fdecea", "optimizer": "#e6f4ea"}
-
-
-def format_bytes(n: Optional[float]) -> str:
-    """``1536`` -> ``'1.50 KiB'``; None -> ``'n/a'``."""
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            break
-        n /= 1024
-    if unit == "B":
-        return f"{int(n)} B"
-    digits = 2 if abs(n) < 10 else 1 if abs(n) < 100 else 0
-    return f"{n:.{digits}f} {unit}"
 
 
 def _cells(report: "MemoryReport", row) -> List[str]:
@@ -135,8 +123,8 @@ def png_bytes(report: "MemoryReport") -> Optional[bytes]:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     x = list(range(len(samples)))
-    unit, scale = ("GiB", 2**30) if max((s.peak for s in samples), default=0) >= 2**30 else (
-        "MiB", 2**20)
+    unit, scale = ("GiB", GiB) if max((s.peak for s in samples), default=0) >= GiB else (
+        "MiB", MiB)
     start = 0
     for i in range(1, len(samples) + 1):
         if i == len(samples) or samples[i].phase != samples[start].phase:

@@ -35,11 +35,10 @@ from torch.utils._pytree import tree_leaves
 
 from . import _timeline
 from ._recorder import ModuleStats, Sample, StepRecorder
-from ._timeline import format_bytes
+from .units import GiB, format_bytes
 
 __all__ = ["memory_report", "MemoryReport", "ModuleRow", "Verdict", "format_bytes", "headroom"]
 
-GiB = 2**30
 _LMS_KB = 1000          # Caffe LMS's customary threshold; lowered only when big tensors are few
 
 

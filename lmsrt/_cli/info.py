@@ -16,9 +16,10 @@ from typing import Dict, List, Optional
 
 import click
 
+from ..units import GiB
+
 __all__ = ["command", "collect"]
 
-GiB = float(2**30)
 
 
 def _driver_version() -> str:
