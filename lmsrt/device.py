@@ -6,22 +6,65 @@ same engine code on a machine without a GPU: CPU tensors stand in for GPU ones, 
 events are synchronous (every copy is complete when issued), and "allocated memory" is the bytes
 of the saved-tensor storages the engine has seen that are still alive, so the mark, the plan and
 the release logic are exercised exactly as on a GPU.
+
+``Device`` states what both offer, the surface the engine and the host pool rely on. Pinned host
+memory is page-aligned memory registered with the CUDA driver (``cudaHostRegister``), not torch's
+pinned caching allocator, which rounds every block up to a power of two; the simulated device
+models pinning with a limit (``pin_limit``), a delay and a gate, so CPU tests cover lag.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import functools
+import mmap
 import threading
+import time
 import weakref
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from . import copy_path
 from .config import cuda_index
 
-__all__ = ["CudaDevice", "SimulatedDevice", "resolve_device"]
+__all__ = ["Device", "CudaDevice", "SimulatedDevice", "resolve_device"]
+
+
+class Device(Protocol):
+    """What the swap engine and the host pool ask of an accelerator (``CudaDevice``, or
+    ``SimulatedDevice`` on a CPU). Streams and events are ``torch.cuda.Stream``/``Event`` on
+    CUDA and stand-ins with the same methods on the simulated device.
+
+    Example::
+
+        def pin_ahead(device: Device) -> torch.Tensor:
+            return device.pinned(64 << 20)
+    """
+
+    kind: str                   # "cuda" or "sim"
+    index: int
+    name: str
+    torch_device: torch.device
+    copy_path: Any              # the C++ copy calls (lmsrt.copy_path), or None
+    pin_threads: int            # threads the host pool pins on; 0: on the calling thread
+
+    def owns(self, t: torch.Tensor) -> bool: ...
+    def current_stream(self) -> Any: ...
+    def stream_key(self) -> Any: ...
+    def stream_of(self, key: Any) -> Any: ...
+    def new_stream(self) -> Any: ...
+    def new_event(self, timing: bool = False) -> Any: ...
+    def stream(self, s: Any) -> Any: ...
+    def memory_allocated(self) -> int: ...
+    def peak_allocated(self) -> int: ...
+    def alloc_retries(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def memory_limit(self) -> int: ...
+    def empty(self, nbytes: int) -> torch.Tensor: ...
+    def pinned(self, nbytes: int) -> torch.Tensor: ...
+    def note_saved(self, storage: Any) -> None: ...
+    def synchronize(self) -> None: ...
 
 
 class _OnStream:
@@ -87,10 +130,28 @@ def _keep_peaks_across_resets() -> None:
     torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
 
 
+# cudaHostRegisterPortable: the range counts as pinned in every CUDA context of the process, not
+# only in the current one (on systems with unified addressing it is also mapped).
+_HOST_REGISTER_PORTABLE = 1
+
+
+def _unregister(ptr: int, mapping: mmap.mmap) -> None:
+    """Unpin ``ptr`` when its slab tensor dies; ``mapping`` is unmapped once this returns and
+    nothing else exports it. Errors are ignored: at process exit the driver may be gone, and an
+    unpinned range is then released by the OS anyway."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:       # noqa: BLE001 - a finalizer must not raise, least of all at exit
+        pass
+
+
 class CudaDevice:
     """One CUDA device, as the swap engine sees it."""
 
     kind = "cuda"
+    # Pinning runs off the training thread; several registrations at once overlap the page
+    # faults and zeroing that dominate their cost.
+    pin_threads = 4
 
     def __init__(self, index: Optional[int] = None):
         self.index = torch.cuda.current_device() if index is None else index
@@ -156,9 +217,32 @@ class CudaDevice:
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
 
-    @staticmethod
-    def pinned(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of pinned host memory as a uint8 CPU tensor, exactly (no power-of-two
+        rounding): an anonymous page-aligned mapping, registered with the driver, unregistered
+        and unmapped when the tensor dies. Raises RuntimeError if the driver refuses.
+
+        Transparent huge pages are asked for (fewer pages to fault and pin), and the mapping is
+        not inherited by forked children (data loader workers), which would otherwise share
+        pages that the GPU writes by DMA.
+        """
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+            if hasattr(mmap, advice):
+                try:
+                    mapping.madvise(getattr(mmap, advice))
+                except OSError:            # not supported by this kernel: only slower or unsafe
+                    pass                   # under fork, as torch's own pinned memory is
+        slab = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.index):  # a pinning thread starts on device 0
+            err = cudart.cudaHostRegister(slab.data_ptr(), size, _HOST_REGISTER_PORTABLE)
+        if err != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes: "
+                               f"{cudart.cudaGetErrorString(err)}")
+        weakref.finalize(slab, _unregister, slab.data_ptr(), mapping)
+        return slab
 
     def note_saved(self, storage) -> None:
         """Only the simulated device needs to be told about saved storages."""
@@ -212,13 +296,20 @@ class SimulatedDevice:
 
     Args:
         capacity: the bytes the simulated GPU holds (its ``memory_limit``).
-        pin_limit: if set, pinning more than this many bytes in total raises, like a host out of
-            pinnable memory (for fault-injection tests).
+        pin_limit: if set, pinning past this many bytes held in total raises, like a host out of
+            pinnable memory (for fault-injection tests); slabs that die give their bytes back.
+        pin_threads: threads the host pool pins on. 0 (the default) pins on the calling thread
+            and at once, as if everything were pinned ahead; 1 or more model a GPU host, where
+            pins run in the background and take ``pin_delay`` seconds each.
+        pin_delay: seconds each pin takes (slept on the pinning thread).
         copy_lag: events report "not done" for this many queries, so swapped sources stay held
             the way they do while a GPU copy is in flight.
         strict: a storage that would take allocated memory past ``capacity`` raises
             ``torch.OutOfMemoryError``, as the caching allocator does at its limit. Model memory
             that saves nothing (workspaces, gradients) is scripted with ``empty``.
+
+    ``pin_gate`` (a ``threading.Event``, set) holds every pin while it is cleared: a test clears
+    it to keep pins in flight for as long as it likes, then sets it.
     """
 
     kind = "sim"
@@ -228,12 +319,17 @@ class SimulatedDevice:
     name = "simulated"
 
     def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None, copy_lag: int = 0,
-                 strict: bool = False):
+                 strict: bool = False, pin_threads: int = 0, pin_delay: float = 0.0):
         self.capacity = int(capacity)
         self.strict = strict
         self.copy_lag = copy_lag
         self.pin_limit = pin_limit
         self.pinned_total = 0
+        self.pin_threads = pin_threads
+        self.pin_delay = pin_delay
+        self.pin_gate = threading.Event()
+        self.pin_gate.set()
+        self._pin_lock = threading.Lock()
         self._lock = threading.Lock()
         self._live: dict = {}   # id(storage) -> (weakref, nbytes), for storages still alive
         self._by_ref: dict = {}  # id(weakref) -> id(storage)
@@ -294,10 +390,22 @@ class SimulatedDevice:
         return t
 
     def pinned(self, nbytes: int) -> torch.Tensor:
-        if self.pin_limit is not None and self.pinned_total + nbytes > self.pin_limit:
+        self.pin_gate.wait()
+        if self.pin_delay:
+            time.sleep(self.pin_delay)
+        with self._pin_lock:      # nothing in here allocates, so no finalizer can re-enter it
+            refused = self.pin_limit is not None and self.pinned_total + nbytes > self.pin_limit
+            if not refused:
+                self.pinned_total += nbytes
+        if refused:
             raise RuntimeError("simulated: cannot pin host memory (pin_limit reached)")
-        self.pinned_total += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8)
+        slab = torch.empty(nbytes, dtype=torch.uint8)
+        weakref.finalize(slab, self._unpinned, nbytes)
+        return slab
+
+    def _unpinned(self, nbytes: int) -> None:
+        with self._pin_lock:
+            self.pinned_total -= nbytes
 
     def note_saved(self, storage) -> None:
         with self._lock:
@@ -332,7 +440,7 @@ class SimulatedDevice:
         pass
 
 
-def resolve_device(spec) -> Optional[object]:
+def resolve_device(spec) -> Optional[Device]:
     """Turn ``None``/``"cuda"``/``"cuda:N"``/``"sim"``/a ``torch.device``/a device object into a
     device, or None.
 

@@ -1,27 +1,55 @@
-"""Pinned host memory: big slabs, sub-allocated, kept across steps, within a host budget.
+"""Pinned host memory: slabs pinned in the background, sub-allocated, within a host budget.
 
-torch's pinned caching allocator rounds every block up to a power of two, and pinning is slow
-(~0.6 s per GiB on an H200 host), so lmsrt pins a few large slabs (powers of two, so nothing is
-rounded away), sub-allocates them with the offset allocator of ``lmsrt.arena``, and keeps them
-for the life of the ``LMS`` object. Before each new slab the host budget is checked: psutil's
-available memory, the cgroup v2/v1 limit when one applies, divided among the ranks of this node.
-Pinned memory cannot be swapped out, so the budget keeps a fifth of what is free for everyone else.
+NOTE [ Pinning ]
+Pinning is slow (0.73 s per GiB on an H200 host) and pinned memory cannot be paged out, so the
+pool pins close to what is used and never on the training thread unless asked to:
+
+  Sizing. Slabs are exactly the bytes asked for (``Device.pinned`` registers page-aligned memory
+    with the driver; torch's pinned allocator would round each up to a power of two). The pool
+    grows by chunks of an eighth of what it holds, from ``chunk_min`` to ``chunk_max``; a request
+    of half a chunk or more gets a slab of its own size. ``reserve`` (the plan's bytes at a step's
+    start) pins what is missing, plus 1/32 for fragmentation.
+  Background. Pins run on ``Device.pin_threads`` threads (0: on the caller's thread, at once).
+    A request no slab can take claims room in a pin under way, or starts one; then ``alloc``
+    returns None (the tensor stays on the GPU; counted in ``lagged``) or, with ``wait=True``,
+    blocks until that pin lands. Claims keep a burst of misses from starting a pin each: a step
+    pins at most what it asked for.
+  Failures. A pin that fails (or the budget) stops growth for the rest of the step; the next step
+    tries once, at most half the failed size. Said once, on the training thread.
+  Give-back. Requests fill the oldest slabs first, so when use shrinks the newest fall idle. A
+    slab with nothing in it that no request touched for ``idle_steps`` steps is given back,
+    unless the last ``reserve`` still needs it: a pinning thread waits for the device (a copy
+    queued long ago may still read it), then drops it, which unregisters and unmaps it.
+  Lifetime. The threads see only a ``_Pinner``, never the pool, so a dropped pool is collected at
+    once; its finalizer (or ``close``) stops and joins the threads before the slabs go.
+
+Before each pin the host budget is checked: psutil's available memory, the cgroup v2/v1 limit
+when one applies, divided among the ranks of this node. Pinned memory cannot be swapped out, so
+the budget keeps a fifth of what is free for everyone else.
 """
 from __future__ import annotations
 
+import collections
 import os
+import threading
+import time
 import warnings
-from typing import List, Optional
+import weakref
+from typing import Deque, List, Optional
 
 import psutil
 import torch
 
 from .arena import OffsetAllocator
+from .device import Device
 
 __all__ = ["HostPool", "HostSlot", "host_budget", "cgroup_available", "local_world_size"]
 
-_SLAB_MIN = 256 << 20
-_ALIGN = 512
+_ALIGN = 512                  # offsets within a slab (DMA and vector copies)
+_PAGE = 4096                  # slab sizes are whole pages
+_CHUNK_MIN = 64 << 20         # the first chunk lands in ~50 ms
+_CHUNK_MAX = 1 << 30          # growth by an eighth of what is held, at most this much a pin
+_IDLE_STEPS = 10              # steps a slab sits unused before it is given back
 
 
 def _read_int(path: str) -> Optional[int]:
@@ -123,14 +151,25 @@ def host_budget(already_pinned: int = 0, fraction: float = 0.8) -> int:
     return already_pinned + int(free * fraction / local_world_size())
 
 
+class _Slab:
+    """A pinned slab (``tensor``) and its allocator; ``last_used`` is the pool's step number when
+    a request last took room in it."""
+
+    __slots__ = ("tensor", "allocator", "size", "last_used", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, size: int, step: int):
+        self.tensor, self.size, self.last_used = tensor, size, step
+        self.allocator = OffsetAllocator(size, _ALIGN)
+
+
 class HostSlot:
-    """``nbytes`` at ``offset`` in pinned slab number ``slab`` (the tensor ``base``); ``tensor``
-    is a uint8 view of them, made on first use (the C++ copy path needs only base and offset)."""
+    """``nbytes`` at ``offset`` in the pinned slab ``base`` (a uint8 CPU tensor); ``tensor`` is a
+    uint8 view of them, made on first use (the C++ copy path needs only base and offset)."""
 
     __slots__ = ("slab", "offset", "nbytes", "base", "_tensor")
 
-    def __init__(self, slab: int, offset: int, nbytes: int, base: torch.Tensor):
-        self.slab, self.offset, self.nbytes, self.base = slab, offset, nbytes, base
+    def __init__(self, slab: _Slab, offset: int, nbytes: int):
+        self.slab, self.offset, self.nbytes, self.base = slab, offset, nbytes, slab.tensor
         self._tensor: Optional[torch.Tensor] = None
 
     @property
@@ -140,27 +179,153 @@ class HostSlot:
         return self._tensor
 
 
+class _Pin:
+    """One pin asked of the pinning threads: its size and the bytes of requests waiting for it
+    (``claimed``); once ``finished``, the slab tensor or the error, and the seconds it took."""
+
+    __slots__ = ("size", "claimed", "finished", "tensor", "error", "seconds")
+
+    def __init__(self, size: int):
+        self.size, self.claimed, self.finished = size, 0, False
+        self.tensor: Optional[torch.Tensor] = None
+        self.error: Optional[BaseException] = None
+        self.seconds = 0.0
+
+
+class _Pinner:
+    """The pinning threads and what they share with the pool: pins to make and slabs to give back
+    (``todo``), finished pins (``done``). It holds no reference to the pool (NOTE [ Pinning ],
+    Lifetime). With no threads, pins are made on the caller's thread."""
+
+    def __init__(self, device: Device, threads: int):
+        self.device, self.max_threads = device, threads
+        self.cond = threading.Condition()
+        self.todo: Deque[object] = collections.deque()   # _Pin to make, or a slab tensor to drop
+        self.done: Deque[_Pin] = collections.deque()
+        self.in_flight = 0                               # pins asked and not finished
+        self.threads: List[threading.Thread] = []
+        self.idle = 0
+        self.stopped = False
+
+    def pin(self, pin: _Pin) -> None:
+        if not self.max_threads:
+            self._make(pin)
+            self.done.append(pin)
+            return
+        self._queue(pin)
+
+    def give_back(self, slab: torch.Tensor) -> None:
+        """Drop ``slab`` once the device has finished all work queued so far."""
+        if not self.max_threads:
+            self.device.synchronize()
+            return
+        self._queue(slab)
+
+    def _queue(self, job: object) -> None:
+        with self.cond:
+            self.todo.append(job)
+            self.in_flight += isinstance(job, _Pin)
+            if len(self.todo) > self.idle and len(self.threads) < self.max_threads:
+                thread = threading.Thread(target=self._work, name=f"lmsrt-pin-{len(self.threads)}",
+                                          daemon=True)
+                self.threads.append(thread)
+                thread.start()
+            self.cond.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.todo and not self.stopped:
+                    self.idle += 1
+                    self.cond.wait()
+                    self.idle -= 1
+                if self.stopped:
+                    return
+                job = self.todo.popleft()
+            if isinstance(job, _Pin):
+                self._make(job)
+                with self.cond:
+                    self.in_flight -= 1
+                    if self.stopped:
+                        job.tensor = None
+                    else:
+                        self.done.append(job)
+                    self.cond.notify_all()
+            else:
+                try:
+                    self.device.synchronize()
+                except Exception:    # noqa: BLE001 - a failed device fails the training thread
+                    pass
+                del job              # the last reference: unregistered and unmapped here
+
+    def _make(self, pin: _Pin) -> None:
+        start = time.perf_counter()
+        try:
+            pin.tensor = self.device.pinned(pin.size)
+        except Exception as e:       # noqa: BLE001 - any failure keeps tensors on the GPU
+            pin.error = e
+        pin.seconds = time.perf_counter() - start
+        pin.finished = True
+
+    def wait(self, pin: _Pin) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: pin.finished or self.stopped)
+
+    def stop(self) -> None:
+        """Stop and join the threads (a pin under way is finished first) and drop what is left."""
+        with self.cond:
+            self.stopped = True
+            self.todo.clear()
+            self.cond.notify_all()
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self.done.clear()
+        self.in_flight = 0
+
+
 class HostPool:
-    """Pinned slabs and their allocators. ``alloc`` returns None when the budget says no.
+    """Pinned slabs and their allocators, grown in the background (NOTE [ Pinning ]).
+
+    ``alloc`` returns None when the budget says no, when pinning failed, or while the pin that
+    would serve it is under way (unless ``wait=True``): the caller keeps the tensor on the GPU.
+    Figures: ``pinned_bytes``, ``used_bytes``, ``peak_used``, ``refused`` (as the engine resets
+    them), ``pins_in_flight``, and per step (reset by ``new_step``) ``pin_seconds``,
+    ``pin_wait_seconds``, ``lagged``, ``given_back_bytes``.
 
     Example::
 
         pool = HostPool(device, budget=8 << 30)
+        pool.reserve(3 << 30)              # starts pinning 3 GiB in the background
         slot = pool.alloc(nbytes)          # None: keep the tensor on the GPU
+        slot = pool.alloc(nbytes, wait=True)   # blocks for a pin under way
         ...
         pool.free(slot)
+        pool.close()
     """
 
-    def __init__(self, device, budget: Optional[int] = None):
+    def __init__(self, device: Device, budget: Optional[int] = None, *,
+                 chunk_min: int = _CHUNK_MIN, chunk_max: int = _CHUNK_MAX,
+                 idle_steps: int = _IDLE_STEPS):
         self.device = device
         self.fixed_budget = budget
-        self.slabs: List[torch.Tensor] = []
-        self.allocators: List[OffsetAllocator] = []
+        self.chunk_min, self.chunk_max, self.idle_steps = chunk_min, chunk_max, idle_steps
+        self.slabs: List[_Slab] = []      # oldest first: requests fill them in this order
         self.pinned_bytes = 0
         self.used_bytes = 0
         self.peak_used = 0
         self.refused = 0          # allocations refused by the budget or by a failed pin
+        self.lagged = 0           # allocations answered None while their pin was under way
+        self.pin_seconds = 0.0    # pinning time of the pins that finished in this step
+        self.pin_wait_seconds = 0.0   # time the caller of alloc waited for pins in this step
+        self.given_back_bytes = 0
         self.closed = False
+        self._pinner = _Pinner(device, getattr(device, "pin_threads", 0))
+        self._stop = weakref.finalize(self, self._pinner.stop)
+        self._pending: List[_Pin] = []    # pins asked and not yet adopted, oldest first
+        self._step = 0
+        self._reserved = 0        # the last reserve's bytes: give-back keeps them pinned
+        self._largest = self._largest_before = 0   # largest request of this step, of the last
         self._warned = False
         # The smallest request that could not grow the pool in this step: larger ones are refused
         # without asking again (a budget check reads psutil and cgroup files; a failed pin costs
@@ -169,27 +334,82 @@ class HostPool:
         self._refused_from: Optional[int] = None
         self._pin_cap: Optional[int] = None
 
+    @property
+    def pins_in_flight(self) -> int:
+        return self._pinner.in_flight
+
     def budget(self) -> int:
         if self.fixed_budget is not None:
             return self.fixed_budget
-        return host_budget(self.pinned_bytes)
+        return host_budget(self._committed())
 
-    def alloc(self, nbytes: int) -> Optional[HostSlot]:
-        for i, allocator in enumerate(self.allocators):
-            offset = allocator.alloc(nbytes)
+    def _committed(self) -> int:
+        return self.pinned_bytes + sum(p.size for p in self._pending)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def alloc(self, nbytes: int, wait: bool = False) -> Optional[HostSlot]:
+        """Room for ``nbytes``, or None: the budget or a failed pin says no, or (``wait=False``)
+        the pin that would serve it is under way. ``wait=True`` blocks until it lands."""
+        if nbytes > self._largest:
+            self._largest = nbytes
+        if self._pinner.done:
+            self._adopt()
+        slot = self._fit(nbytes)
+        return slot if slot is not None else self._alloc_short(nbytes, wait)
+
+    def _fit(self, nbytes: int) -> Optional[HostSlot]:
+        for slab in self.slabs:
+            offset = slab.allocator.alloc(nbytes)
             if offset >= 0:
-                return self._slot(i, offset, nbytes)
-        refused_from = self._refused_from
-        if (refused_from is not None and nbytes >= refused_from) or not self._grow(nbytes):
-            self.refused += 1
-            return None
-        offset = self.allocators[-1].alloc(nbytes)
-        return self._slot(len(self.allocators) - 1, offset, nbytes)
+                self.used_bytes += slab.allocator.size_of(offset)
+                self.peak_used = max(self.peak_used, self.used_bytes)
+                slab.last_used = self._step
+                return HostSlot(slab, offset, nbytes)
+        return None
 
-    def _slot(self, slab: int, offset: int, nbytes: int) -> HostSlot:
-        self.used_bytes += self.allocators[slab].size_of(offset)
-        self.peak_used = max(self.peak_used, self.used_bytes)
-        return HostSlot(slab, offset, nbytes, self.slabs[slab])
+    def _alloc_short(self, nbytes: int, wait: bool) -> Optional[HostSlot]:
+        """No slab has room: claim room in a pin under way (or start one), then answer None or
+        wait for it."""
+        pin, started = None, None
+        try:
+            while True:
+                if pin is None or pin.finished:
+                    self._adopt()
+                    slot = self._fit(nbytes)
+                    if slot is not None:
+                        return slot
+                    pin = self._claim(nbytes)
+                    if pin is None:
+                        self.refused += 1
+                        return None
+                    if pin.finished:           # pinned on this thread: adopt it and fit
+                        continue
+                    if not wait:
+                        self.lagged += 1
+                        return None
+                if self._pinner.stopped:
+                    self.refused += 1
+                    return None
+                if started is None:
+                    started = time.perf_counter()
+                self._pinner.wait(pin)
+        finally:
+            if started is not None:
+                self.pin_wait_seconds += time.perf_counter() - started
+
+    def _claim(self, nbytes: int) -> Optional[_Pin]:
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        for pin in self._pending:
+            if pin.size - pin.claimed >= need:
+                pin.claimed += need
+                return pin
+        if self._refused_from is not None and nbytes >= self._refused_from:
+            return None
+        pin = self._grow(nbytes, self._chunk(nbytes))
+        if pin is not None:
+            pin.claimed = need
+        return pin
 
     def free(self, slot: HostSlot) -> None:
         """Give ``slot`` back; a second call (a release retried after an interrupt) or one after
@@ -197,54 +417,107 @@ class HostPool:
         if slot.base is None or self.closed:
             return
         slot.base = slot._tensor = None          # first: an interrupt below leaks, never frees twice
-        allocator = self.allocators[slot.slab]
+        allocator = slot.slab.allocator
         self.used_bytes -= allocator.size_of(slot.offset)
         allocator.free(slot.offset)
 
+    # -- steps -------------------------------------------------------------------------------
+
     def new_step(self) -> None:
-        """A new step: host memory may have been freed since, so growing may be tried again."""
+        """A new step: growth may be tried again, the per-step figures start from zero, and
+        slabs idle for ``idle_steps`` steps are given back (NOTE [ Pinning ], Give-back)."""
         self._refused_from = None
+        self.lagged = self.given_back_bytes = 0
+        self.pin_seconds = self.pin_wait_seconds = 0.0
+        self._largest_before, self._largest = self._largest, 0
+        self._step += 1
+        self._adopt()
+        keep = self._reserved + (self._reserved >> 5)     # as reserve pins it: no churn
+        self._reserved = 0
+        for slab in self.slabs[::-1]:
+            if (slab.allocator.used_bytes == 0 and self._step - slab.last_used > self.idle_steps
+                    and self.pinned_bytes - slab.size >= keep):
+                self.slabs.remove(slab)
+                self.pinned_bytes -= slab.size
+                self.given_back_bytes += slab.size
+                self._pinner.give_back(slab.tensor)
+                slab.tensor = None
 
     def reserve(self, nbytes: int) -> None:
-        """Pin ahead of need (e.g. what the plan will move), so a step does not stall pinning."""
-        free = sum(a.largest_free for a in self.allocators)
-        if nbytes > free:
-            self._grow(nbytes - free)
-
-    def _grow(self, nbytes: int) -> bool:
-        # Powers of two: torch's pinned allocator would round anything else up to one anyway.
-        # Doubling the total keeps the number of slow pinning calls logarithmic.
+        """Pin ahead of need (e.g. what the plan will move), in the background: start the pins
+        that ``nbytes`` (plus 1/32) miss in what is pinned or under way; returns at once."""
+        self._reserved = nbytes
         if self.closed:
-            return False
-        want = max(_SLAB_MIN, nbytes, self.pinned_bytes)
-        size = 1 << (want - 1).bit_length()
+            return
+        self._adopt()
+        free = (sum(s.allocator.free_bytes for s in self.slabs)
+                + sum(p.size - p.claimed for p in self._pending))
+        short = nbytes + (nbytes >> 5) - free
+        largest = max(self._largest, self._largest_before)
+        roomy = any(s.allocator.largest_free >= largest for s in self.slabs) or any(
+            p.size - p.claimed >= largest for p in self._pending)
+        while short > 0 and self._refused_from is None:
+            size = min(max(short, self.chunk_min), self.chunk_max)
+            pin = self._grow(_PAGE, size if roomy else max(size, largest))
+            if pin is None:
+                return
+            roomy = True
+            short -= pin.size
+
+    # -- growth ------------------------------------------------------------------------------
+
+    def _chunk(self, nbytes: int) -> int:
+        """The size of the next pin for a request of ``nbytes``: an eighth of what is held,
+        within the chunk bounds; exactly ``nbytes`` for a request of half that or more, which
+        would leave a tail that requests may never fill."""
+        chunk = min(max(self._committed() >> 3, self.chunk_min), self.chunk_max)
+        return nbytes if 2 * nbytes >= chunk else chunk
+
+    def _grow(self, nbytes: int, size: int) -> Optional[_Pin]:
+        """Start pinning ``size`` bytes (less if the budget or a failed pin says so, never less
+        than ``nbytes``); None if that cannot be."""
+        if self.closed:
+            return None
+        size = -(-size // _PAGE) * _PAGE
         if self._pin_cap is not None:
-            size = max(min(size, self._pin_cap), 1 << (nbytes - 1).bit_length())
-        room = self.budget() - self.pinned_bytes
-        while size > room and size // 2 >= nbytes:
-            size //= 2
-        if size > room or size < nbytes:
+            size = max(min(size, self._pin_cap), -(-nbytes // _PAGE) * _PAGE)
+        room = self.budget() - self._committed()
+        if size > room:
+            size = room // _PAGE * _PAGE
+        if size < nbytes or size <= 0:
             self._refuse(nbytes)
             self._warn_once("lmsrt: the host memory budget is reached "
-                            f"({self.pinned_bytes / 2**30:.2f} GiB pinned, "
+                            f"({self._committed() / 2**30:.2f} GiB pinned, "
                             f"{max(room, 0) / 2**30:.2f} GiB more allowed); saved "
                             "tensors that do not fit stay on the GPU (said once). Free host "
                             "memory, or raise host_budget_gb (--host-budget-gb, "
                             "LMSRT_HOST_BUDGET_GB) if the GPU runs out.")
-            return False
-        try:
-            slab = self.device.pinned(size)
-        except (RuntimeError, MemoryError) as e:
-            self._refused_from, self._pin_cap = 0, size // 2
-            self._warn_once(f"lmsrt: pinning {size / 2**30:.2f} GiB of host memory failed ({e}); "
-                            "saved tensors that do not fit in what is pinned stay on the GPU "
-                            "(said once). Free host memory, or set host_budget_gb "
-                            "(--host-budget-gb, LMSRT_HOST_BUDGET_GB) to what can be pinned.")
-            return False
-        self.slabs.append(slab)
-        self.allocators.append(OffsetAllocator(size, _ALIGN))
-        self.pinned_bytes += size
-        return True
+            return None
+        pin = _Pin(size)
+        self._pending.append(pin)
+        self._pinner.pin(pin)
+        return pin
+
+    def _adopt(self) -> None:
+        """Take the finished pins into the pool (on the caller's thread, which owns its state)."""
+        done = self._pinner.done
+        while done:
+            pin = done.popleft()
+            self._pending.remove(pin)
+            self.pin_seconds += pin.seconds
+            if not self._pinner.max_threads:
+                self.pin_wait_seconds += pin.seconds
+            if pin.tensor is not None:
+                self.slabs.append(_Slab(pin.tensor, pin.size, self._step))
+                self.pinned_bytes += pin.size
+                pin.tensor = None
+            else:
+                self._refused_from, self._pin_cap = 0, max(pin.size // 2, _PAGE)
+                self._warn_once(f"lmsrt: pinning {pin.size / 2**30:.2f} GiB of host memory "
+                                f"failed ({pin.error}); saved tensors that do not fit in what is "
+                                "pinned stay on the GPU (said once). Free host memory, or set "
+                                "host_budget_gb (--host-budget-gb, LMSRT_HOST_BUDGET_GB) to what "
+                                "can be pinned.")
 
     def _refuse(self, nbytes: int) -> None:
         if self._refused_from is None or nbytes < self._refused_from:
@@ -253,11 +526,14 @@ class HostPool:
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=5)
 
     def close(self) -> None:
-        """Give the slabs back (to torch's pinned cache) before CUDA tears down; pins no more."""
+        """Stop and join the pinning threads, then give the slabs back (unregistered and unmapped
+        as they die) before CUDA tears down; pins no more. The caller has synchronized the
+        device (the engine's Rule 8)."""
         self.closed = True
+        self._stop()
+        self._pending.clear()
         self.slabs.clear()
-        self.allocators.clear()
         self.pinned_bytes = self.used_bytes = 0
