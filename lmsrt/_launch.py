@@ -11,7 +11,7 @@ stats are written, with the status a shell reports for a process SIGTERM killed 
 each worker calls ``start()`` from the bootstrap ``sitecustomize`` that the launcher puts first on
 the workers' PYTHONPATH (``lmsrt/_cli/_bootstrap``), with everything passed in the environment:
 
-    LMSRT_LMS, LMSRT_LMS_FRAC, ...   the LMS settings (``lmsrt.config.ENV_VARS``)
+    LMSRT_LMS, LMSRT_LMS_FRAC, ...   the LMS settings (``lmsrt.options.OPTIONS``)
     LMSRT_STATS                      JSON stats file; rank r > 0 writes ``FILE.rank{r}``
     LMSRT_GPU_LIMIT_GB               the most GPU memory each process may allocate, GiB
     LMSRT_MAX_STEPS=N                end the script, as if it called ``sys.exit(0)``, when step
@@ -57,13 +57,11 @@ WARMUP_STEPS = 2
 
 
 class StepClock:
-    """Wall-clock time at the start of every step after the first.
+    """Wall-clock time at the start of every step after the first, as a step listener of an LMS
+    (``LMS.add_step_listener``).
 
-    The engine finds step boundaries itself (a forward that follows a backward starts a new step,
-    in ``SwapEngine.pack``) and offers no callback, so the clock wraps ``begin_forward`` on this
-    one engine instance; the engine module is not changed. Times are host-side: without a device
-    sync they equal GPU step times only in the steady state, where the host cannot run further
-    ahead of the GPU, hence the median after warm-up.
+    Times are host-side: without a device sync they equal GPU step times only in the steady
+    state, where the host cannot run further ahead of the GPU, hence the median after warm-up.
 
     With ``max_steps`` N, the start of step N + 1 raises ``SystemExit(0)`` instead: the script
     ends there as if it had called ``sys.exit(0)``, and the session writes its stats as at any end.
@@ -71,17 +69,14 @@ class StepClock:
     starts it, so the stats are those of N whole steps and of N - 1 timed ones.
     """
 
-    def __init__(self, engine, max_steps: Optional[int] = None) -> None:
+    def __init__(self, max_steps: Optional[int] = None) -> None:
         self.starts: List[float] = []
-        begin_forward = engine.begin_forward
+        self.max_steps = max_steps
 
-        def timed_begin_forward() -> None:
-            self.starts.append(time.perf_counter())
-            if max_steps is not None and len(self.starts) >= max_steps:
-                raise SystemExit(0)
-            begin_forward()
-
-        engine.begin_forward = timed_begin_forward
+    def __call__(self, step: int) -> None:
+        self.starts.append(time.perf_counter())
+        if self.max_steps is not None and step > self.max_steps:
+            raise SystemExit(0)
 
     def step_times(self) -> List[float]:
         """Seconds between successive step starts: ``[i]`` is step ``i + 2``."""
@@ -127,10 +122,11 @@ class Session:
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
             self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        if self.lms._engine is not None:
+        if self.lms.enabled:
             # After __enter__, so the first time taken is the start of step 2: step 1 also holds
             # the script's set-up, which is no step time.
-            self.clock = StepClock(self.lms._engine, self.max_steps)
+            self.clock = StepClock(self.max_steps)
+            self.lms.add_step_listener(self.clock)
         os.environ[ENV_ACTIVE] = "1"
         return self
 

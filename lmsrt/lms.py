@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import functools
 import threading
 import warnings
 import weakref
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from . import arena, copy_path
+from . import arena
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
+from .options import OPTIONS, describe
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
@@ -23,7 +23,6 @@ __all__ = ["LMS"]
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
 _said_native = False
 _said_no_gpu = False
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LMSConfig)}
 
 
 def _say_native_once() -> None:
@@ -118,14 +117,11 @@ class LMS:
     Create it once and reuse it every step (its pinned pools and its plan persist). Around the
     forward pass only; backward brings swapped tensors back, prefetched, by itself.
 
-    Args:
-        lms: KB; smaller saved tensors stay on the GPU. ``lms <= 0`` turns swapping off.
-        lms_frac: in [0, 1]; no swapping while this process's GPU use stays under ``lms_frac``
-            times the memory it may use, and above it only as much as keeps it under.
-        prefetch_mb: the most bytes (MiB) brought back ahead of backward and not yet used.
-        host_budget_gb: the most pinned host memory to use (default: 80% of free, per rank).
-        device: ``None`` (the current CUDA device), ``"cuda:N"``, or ``"sim"`` for CPU tests.
-        config: an ``LMSConfig`` instead of the arguments above.
+    Args (the settings of ``lmsrt.options.OPTIONS``; ``lms`` and ``lms_frac`` may be given by
+    position, the others by keyword):
+<settings>
+        config: an ``LMSConfig`` instead of the settings above (``device`` may still be given,
+            also as a ``torch.device``).
 
     Threads may share one LMS, each entering it, when they run forward on the same CUDA stream
     (``NOTE [ Stream lifetimes ]``, Rule 6). An out-of-memory error raised inside the block
@@ -142,22 +138,24 @@ class LMS:
         print(lms.summary())
     """
 
-    def __init__(self, lms: float = 1000.0, lms_frac: float = 0.75, *, prefetch_mb: float = 4096.0,
-                 host_budget_gb: Optional[float] = None, device=None,
-                 config: Optional[LMSConfig] = None):
+    def __init__(self, lms: float = OPTIONS["lms"].default,
+                 lms_frac: Union[float, str] = OPTIONS["lms_frac"].default, *,
+                 device=None, config: Optional[LMSConfig] = None, **settings):
+        unknown = [name for name in settings if name not in OPTIONS]
+        if unknown:
+            raise TypeError(f"LMS() got an unexpected keyword argument {unknown[0]!r}; its "
+                            f"settings are {', '.join(OPTIONS)}")
         if isinstance(device, torch.device):
             device = str(device)
         if config is None:
             spec = device if device is None or isinstance(device, str) else None
-            config = LMSConfig(lms=lms, lms_frac=lms_frac, prefetch_mb=prefetch_mb,
-                               host_budget_gb=host_budget_gb, device=spec)
+            config = LMSConfig(lms=lms, lms_frac=lms_frac, device=spec, **settings)
         elif not isinstance(config, LMSConfig):
             raise TypeError(f"config must be an lmsrt.LMSConfig, got {type(config).__name__}; "
                             "build one with lmsrt.LMSConfig(lms=..., lms_frac=...)")
         else:
-            given = dict(lms=lms, lms_frac=lms_frac, prefetch_mb=prefetch_mb,
-                         host_budget_gb=host_budget_gb)
-            clash = [k for k, v in given.items() if v != _DEFAULTS[k]]
+            given = dict(lms=lms, lms_frac=lms_frac, **settings)
+            clash = [k for k, v in given.items() if v != OPTIONS[k].default]
             if clash:
                 raise TypeError(f"pass either config or {', '.join(clash)}, not both: put "
                                 f"them in the config, e.g. "
@@ -188,6 +186,25 @@ class LMS:
     def enabled(self) -> bool:
         """True when this LMS swaps (a device is there and ``lms > 0``)."""
         return self._engine is not None
+
+    @property
+    def copy_path(self) -> str:
+        """``"native"`` when swaps go through lmsrt's C++ copy path, else ``"python"``."""
+        return "native" if self._engine is not None and self._device.copy_path else "python"
+
+    def add_step_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(step)`` as each step begins, with the step's number (1, 2, ...), before
+        anything of that step is held. An exception it raises leaves through the ``with`` entry
+        or the saved-tensor hook that began the step (``lmsrt run --max-steps`` ends a script
+        with ``SystemExit`` this way). Nothing is called when the LMS does not swap.
+
+        Example::
+
+            starts = []
+            lms.add_step_listener(lambda step: starts.append(time.perf_counter()))
+        """
+        if self._engine is not None:
+            self._engine.step_listeners.append(listener)
 
     def __enter__(self) -> "LMS":
         if getattr(self._active, "hooks", None) is not None:
@@ -228,11 +245,9 @@ class LMS:
         return {
             "enabled": self.enabled,
             "device": getattr(self._device, "name", None),
-            "config": {"lms": self.config.lms, "lms_frac": self.config.lms_frac,
-                       "prefetch_mb": self.config.prefetch_mb,
-                       "host_budget_gb": self.config.host_budget_gb},
+            "config": self.config.as_dict(),
             "allocator": arena.native_status(),
-            "copy_path": "native" if self._engine and self._engine._native else "python",
+            "copy_path": self.copy_path,
             "mark_bytes": self._engine.mark if self._engine else 0,
             "limit_bytes": self._engine.limit if self._engine else 0,
             "last_step": step.as_dict(),
@@ -249,3 +264,6 @@ class LMS:
         """Finish copies in flight and give back pinned memory; the LMS cannot be used after."""
         if self._engine is not None:
             self._engine.close()
+
+
+LMS.__doc__ = LMS.__doc__.replace("<settings>", describe(indent=8))

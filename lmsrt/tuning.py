@@ -13,18 +13,22 @@ Example::
     sweep.run()
     best = best_trial(sweep.trials)
     print(run_command(best, "train.py"))
+    print(compare_auto(sweep.trials)["summary"])
 
 NOTE [ Tuning search ]
-Out of memory is monotone in ``lms_frac``: a higher fraction keeps more on the GPU. So the default
-search bisects the fractions (0, 0.05, ..., 1, or the values given) at one ``lms`` (1000 if listed,
-else the first value listed) for the largest that does not run out of memory: about 5 trials
-instead of 21. Then it tries every ``lms`` value at that fraction and at the one below it, which
+``lms_frac="auto"`` comes first: the engine finds the fraction itself, so the sweep runs it at
+every ``lms`` (the one the bisection uses first) and then asks whether any fixed fraction beats it
+(``compare_auto``). An auto trial says nothing about the fixed fractions, so it does not steer
+their search. Out of memory is monotone in a fixed ``lms_frac``: a higher fraction keeps more on
+the GPU. So the default search bisects the fractions (0, 0.05, ..., 1, or the values given) at one
+``lms`` (1000 if listed, else the first value listed) for the largest that does not run out of
+memory: about 5 trials instead of 21. Then it tries every ``lms`` value at that fraction and at the one below it, which
 leaves headroom for allocator slack and cuDNN workspaces and is sometimes faster. When even the
 lowest fraction runs out of memory, every ``lms`` is tried there: a smaller one swaps more. A
 crash or a timeout during the bisection ends the search for that parameter value: it says nothing
 about memory, and more trials would fail the same way. The grid search runs every fraction at
-every ``lms``, lowest fraction first, and skips the fractions above one that ran out of memory
-(they would too).
+every ``lms``, auto and then the lowest fraction first, and skips the fractions above one that
+ran out of memory (they would too).
 """
 from __future__ import annotations
 
@@ -39,20 +43,21 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 from ._output import check_output_dir, check_output_file, write_atomic
+from .options import AUTO, OPTIONS, format_setting
+from .units import GiB, MiB
 
-__all__ = ["Trial", "Sweep", "AUTO_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
-           "grid_search", "classify", "with_param", "pareto_front", "best_trial", "run_command",
-           "check_out_dir", "write_results", "write_plot"]
+__all__ = ["Trial", "Sweep", "BISECT_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
+           "grid_search", "classify", "with_param", "pareto_front", "best_trial", "compare_auto",
+           "run_command", "check_out_dir", "write_results", "write_plot"]
 
-AUTO_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
-GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))    # --grid without a list: 0, 0.1, ..., 1
+BISECT_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
+GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))      # --grid without a list: 0, 0.1, ..., 1
 REFERENCE_LMS = 1000.0
 TIE = 0.01   # step rates within 1% are timing noise: the trial with less GPU memory wins
 
-GiB = float(2**30)
 _OOM = re.compile(r"out of (GPU )?memory|OutOfMemoryError", re.IGNORECASE)
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
 # `lmsrt run` prints the LMS summary (``stats.format_summary``) after the script's traceback.
@@ -61,8 +66,9 @@ _TAIL_BYTES = 64 << 10
 _LOG_NAME = re.compile(r"^\d{3,}\.(out|err|stats\.json)$")   # trials/001.out, 001.stats.json, ...
 _OUTPUTS = ("results.json", "results.csv", "tune.png")          # in the out dir, beside trials/
 
+Fraction = Union[float, str]   # a fraction, or AUTO
 # A search yields the (lms, lms_frac) to try next and is sent the finished trial.
-Search = Generator[Tuple[float, float], "Trial", None]
+Search = Generator[Tuple[float, Fraction], "Trial", None]
 
 
 @dataclasses.dataclass
@@ -75,7 +81,7 @@ class Trial:
 
     id: int
     lms: float
-    lms_frac: float
+    lms_frac: Fraction
     params: Dict[str, str]
     args: List[str]
     status: str = "ok"
@@ -94,23 +100,39 @@ class Trial:
         """Whether the trial competes for the recommendation: it ran, and was timed."""
         return self.status == "ok" and self.steps_per_s is not None
 
+    @property
+    def auto(self) -> bool:
+        """Whether the engine chose the fraction (``lms_frac="auto"``)."""
+        return self.lms_frac == AUTO
+
 
 def reference_lms(lms_values: Sequence[float]) -> float:
     """The ``lms`` the bisection runs at: 1000 if listed, else the first value listed."""
     return REFERENCE_LMS if REFERENCE_LMS in lms_values else lms_values[0]
 
 
-def bisect_search(lms_values: Sequence[float], fracs: Sequence[float]) -> Search:
-    """Bisect ``fracs`` at one ``lms``, then try every ``lms`` near the best fraction.
+def _fixed(fracs: Sequence[Fraction]) -> List[float]:
+    """The fixed fractions of ``fracs`` (not auto), lowest first."""
+    return sorted({f for f in fracs if f != AUTO})
+
+
+def bisect_search(lms_values: Sequence[float], fracs: Sequence[Fraction]) -> Search:
+    """Auto at every ``lms`` if ``fracs`` holds it; then bisect the fixed ``fracs`` at one
+    ``lms`` and try every ``lms`` near the best fraction.
 
     See NOTE [ Tuning search ]. Example::
 
-        search = bisect_search([250, 1000], AUTO_FRACS)
-        lms, frac = next(search)          # (1000, 0.5)
+        search = bisect_search([250, 1000], [AUTO, *BISECT_FRACS])
+        lms, frac = next(search)          # (1000, 'auto'), then (250, 'auto'), then (1000, 0.5)
         lms, frac = search.send(trial)    # the next one, given how that trial ended
     """
-    fracs = sorted(set(fracs))
     reference = reference_lms(lms_values)
+    if AUTO in fracs:
+        for lms in dict.fromkeys([reference, *lms_values]):
+            yield lms, AUTO
+    fracs = _fixed(fracs)
+    if not fracs:
+        return
     tried = set()
     fits, too_much = -1, len(fracs)    # indices: the highest that fit, the lowest that did not
     while too_much - fits > 1:
@@ -131,10 +153,13 @@ def bisect_search(lms_values: Sequence[float], fracs: Sequence[float]) -> Search
                 yield lms, fracs[index]
 
 
-def grid_search(lms_values: Sequence[float], fracs: Sequence[float]) -> Search:
-    """Every fraction at every ``lms``, lowest fraction first, skipping fractions above an OOM."""
+def grid_search(lms_values: Sequence[float], fracs: Sequence[Fraction]) -> Search:
+    """Every fraction at every ``lms``: auto (if in ``fracs``) and then the lowest fraction first,
+    skipping fixed fractions above an OOM."""
     for lms in lms_values:
-        for frac in sorted(set(fracs)):
+        if AUTO in fracs:
+            yield lms, AUTO
+        for frac in _fixed(fracs):
             trial = yield lms, frac
             if trial.status == "oom":
                 break
@@ -167,9 +192,10 @@ def with_param(args: Sequence[str], name: str, value: str) -> List[str]:
     return out if found else [*out, flag, value]
 
 
-def _settings(lms: float, frac: float, gpu_limit: Optional[float]) -> List[str]:
+def _settings(lms: float, frac: Fraction, gpu_limit: Optional[float]) -> List[str]:
     limit = ["--gpu-limit", f"{gpu_limit:g}"] if gpu_limit is not None else []
-    return ["--lms", f"{lms:g}", "--lms-frac", f"{frac:g}", *limit]
+    return [OPTIONS["lms"].flag, format_setting(lms), OPTIONS["lms_frac"].flag,
+            format_setting(frac), *limit]
 
 
 def run_command(trial: Trial, script: str, gpu_limit: Optional[float] = None) -> str:
@@ -254,18 +280,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
 class Sweep:
     """The trials of one ``lmsrt tune``: for each parameter combination, one search.
 
-    ``fracs`` None means the default: ``AUTO_FRACS`` bisected, or ``GRID_FRACS`` with ``grid``.
+    ``fracs`` None means the default: auto, then ``BISECT_FRACS`` bisected (``GRID_FRACS`` with
+    ``grid``).
     ``trials`` holds the finished ones, also after an interrupt. Example at the top of the module.
     """
 
     def __init__(self, script: str, args: Sequence[str], *, lms_values: Sequence[float],
-                 fracs: Optional[Sequence[float]] = None,
+                 fracs: Optional[Sequence[Fraction]] = None,
                  params: Sequence[Tuple[str, Sequence[str]]] = (), grid: bool = False,
                  steps: int = 8, gpu_limit: Optional[float] = None, timeout: float = 600.0,
                  out_dir: str = "lmsrt-tune"):
         self.script, self.args = script, list(args)
         self.lms_values = list(lms_values)
-        self.fracs = list(fracs) if fracs else list(GRID_FRACS if grid else AUTO_FRACS)
+        self.fracs = list(fracs) if fracs else [AUTO, *(GRID_FRACS if grid else BISECT_FRACS)]
         self.params = [(name, list(values)) for name, values in params]
         self.grid, self.steps, self.gpu_limit, self.timeout = grid, steps, gpu_limit, timeout
         self.out_dir = out_dir
@@ -315,8 +342,9 @@ class Sweep:
                    self.script, *trial.args]
         # The settings go in the environment too, so the script can tell which trial it is in;
         # unbuffered, so the log of a trial killed at the timeout holds all it printed.
-        env = dict(os.environ, LMSRT_MAX_STEPS=str(self.steps), LMSRT_LMS=f"{trial.lms:g}",
-                   LMSRT_LMS_FRAC=f"{trial.lms_frac:g}", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, LMSRT_MAX_STEPS=str(self.steps), PYTHONUNBUFFERED="1")
+        env[OPTIONS["lms"].env] = format_setting(trial.lms)
+        env[OPTIONS["lms_frac"].env] = format_setting(trial.lms_frac)
         start = time.monotonic()
         timed_out = False
         with open(f"{base}.out", "wb") as out, open(f"{base}.err", "wb") as err:
@@ -368,6 +396,55 @@ def best_trial(trials: Sequence[Trial]) -> Optional[Trial]:
     return min(close, key=lambda t: (t.gpu_peak_bytes, -t.steps_per_s, t.id))
 
 
+def _fastest(trials: Sequence[Trial]) -> Optional[Trial]:
+    ranked = [t for t in trials if t.ranked]
+    return max(ranked, key=lambda t: (t.steps_per_s, -t.id)) if ranked else None
+
+
+def compare_auto(trials: Sequence[Trial]) -> Optional[Dict[str, object]]:
+    """Whether a fixed ``lms_frac`` beats auto among ``trials`` (of one parameter combination),
+    and by how much: the fastest auto trial against the fastest fixed one; None without auto
+    trials. A fixed setting beats auto only when more than 1% faster (timing noise, ``TIE``).
+
+    Example::
+
+        compare_auto(sweep.trials)["summary"]
+        # 'auto: 3.100 steps/s (lms 1000); the fastest fixed setting (lms 1000, lms_frac 0.9)
+        #  is 4% faster'
+    """
+    autos = [t for t in trials if t.auto]
+    if not autos:
+        return None
+    fixed = [t for t in trials if not t.auto]
+    auto, best = _fastest(autos), _fastest(fixed)
+    faster = (best.steps_per_s / auto.steps_per_s - 1) if auto and best else None
+    if best:
+        named = f"lms {best.lms:g}, lms_frac {format_setting(best.lms_frac)}"
+    if auto is None:
+        first = autos[0]
+        summary = (f"auto did not run to a step time ({first.status}"
+                   f"{': ' + first.error if first.error else ''})")
+        if best:
+            summary += (f"; the fastest fixed setting ({named}) ran {best.steps_per_s:.3f} "
+                        "steps/s")
+    else:
+        summary = f"auto: {auto.steps_per_s:.3f} steps/s (lms {auto.lms:g}); "
+        if best is None:
+            summary += ("no fixed setting was tried" if not fixed else
+                        "no fixed setting ran to a step time")
+        elif faster > TIE:
+            summary += f"the fastest fixed setting ({named}) is {faster:.0%} faster"
+        elif faster >= -TIE:
+            summary += (f"no fixed setting beats auto (the fastest fixed setting, {named}, is "
+                        "within 1%, timing noise)")
+        else:
+            summary += (f"no fixed setting beats auto (the fastest fixed setting, {named}, is "
+                        f"{-faster:.0%} slower)")
+    return {"auto_id": auto and auto.id, "fixed_id": best and best.id,
+            "fixed_faster": faster, "fixed_beats_auto": faster is not None and faster > TIE,
+            "summary": summary}
+
+
 def _best_per_params(sweep: Sweep) -> List[Trial]:
     bests = (best_trial([t for t in sweep.trials if t.params == p]) for p in sweep.combinations())
     return [t for t in bests if t is not None]
@@ -390,6 +467,8 @@ def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
         "best_per_params": [{"params": t.params, "id": t.id, "command": command(t)}
                             for t in _best_per_params(sweep)],
         "pareto": sorted(front),
+        "auto": [compare | {"params": p} for p in sweep.combinations()
+                 if (compare := compare_auto([t for t in sweep.trials if t.params == p]))],
         "trials": [dataclasses.asdict(t) | {"command": command(t)} for t in sweep.trials],
     }
     paths = {"json": os.path.join(sweep.out_dir, "results.json"),
@@ -407,7 +486,8 @@ def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
             numbers = (t.steps_per_s and f"{t.steps_per_s:.4f}",
                        t.step_time_s and f"{t.step_time_s:.5f}", t.gpu_peak_bytes,
                        t.host_peak_bytes, t.swapped_bytes, t.steps)
-            w.writerow([t.id, *(t.params[n] for n in names), f"{t.lms:g}", f"{t.lms_frac:g}",
+            w.writerow([t.id, *(t.params[n] for n in names), f"{t.lms:g}",
+                        format_setting(t.lms_frac),
                         t.status, *("" if n is None else n for n in numbers), f"{t.wall_s:.1f}",
                         int(t.id in front), int(best is not None and t.id == best.id), t.error,
                         command(t)])
@@ -430,7 +510,7 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
     if not ranked:
         return "no trial was timed, so no plot"
     front, best = set(pareto_front(ranked)), best_trial(ranked)
-    unit, scale = ("GiB", GiB) if max(t.gpu_peak_bytes for t in ranked) >= GiB else ("MiB", 2**20)
+    unit, scale = ("GiB", GiB) if max(t.gpu_peak_bytes for t in ranked) >= GiB else ("MiB", MiB)
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -446,8 +526,14 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
                 marker="o", markersize=11, markerfacecolor="none",
                 color=dots.get_facecolor()[0], label=f"{label}: Pareto front")
         for t in group:
-            ax.annotate(f"{t.lms:g}/{t.lms_frac:g}", (t.gpu_peak_bytes / scale, t.steps_per_s),
+            ax.annotate(f"{t.lms:g}/{format_setting(t.lms_frac)}",
+                        (t.gpu_peak_bytes / scale, t.steps_per_s),
                         fontsize=7, xytext=(4, 4), textcoords="offset points")
+    autos = [t for t in ranked if t.auto]
+    if autos:
+        ax.scatter([t.gpu_peak_bytes / scale for t in autos], [t.steps_per_s for t in autos],
+                   marker="D", s=110, facecolors="none", edgecolors="tab:red",
+                   label="lms_frac auto", zorder=4)
     ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
                facecolors="none", edgecolors="black", label="recommended", zorder=4)
     ax.set_xlabel(f"peak GPU memory ({unit})")

@@ -61,7 +61,7 @@ def test_race_stalled_streams_inplace_ops_exact(copy_path):
         assert torch.equal(ref_loss, loss)
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert lms.stats()["total"]["out_tensors"] > 0
-    assert (lms._engine._native is not None) == (copy_path == "C++")
+    assert (lms.copy_path == "native") == (copy_path == "C++")
 
 
 def _peak_of(fn):

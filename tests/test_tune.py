@@ -19,8 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from lmsrt._cli import main
-from lmsrt.tuning import (AUTO_FRACS, Sweep, Trial, best_trial, bisect_search, classify,
-                          grid_search, pareto_front, with_param, write_plot, write_results)
+from lmsrt.tuning import (BISECT_FRACS, Sweep, Trial, best_trial, bisect_search, classify,
+                          compare_auto, grid_search, pareto_front, with_param, write_plot,
+                          write_results)
 from test_cli import clean_env, write
 
 # Reads its trial's settings, then does what CUE says for them; else trains until stopped.
@@ -111,11 +112,11 @@ def drive(search, outcome) -> list:
 
 
 def oom_above(limit: float):
-    return lambda lms, frac: "oom" if frac > limit else "ok"
+    return lambda lms, frac: "oom" if frac != "auto" and frac > limit else "ok"
 
 
 def test_bisection_finds_the_largest_frac_then_tries_every_lms_near_it():
-    tried = drive(bisect_search([250, 1000, 4000], AUTO_FRACS), oom_above(0.62))
+    tried = drive(bisect_search([250, 1000, 4000], BISECT_FRACS), oom_above(0.62))
     assert tried == [(1000, 0.5, "ok"), (1000, 0.75, "oom"), (1000, 0.6, "ok"),
                      (1000, 0.65, "oom"),                       # bisected at lms 1000: 0.6
                      (250, 0.6, "ok"), (4000, 0.6, "ok"),        # the other lms at 0.6
@@ -127,7 +128,7 @@ def test_bisection_finds_the_largest_frac_then_tries_every_lms_near_it():
     (-1.0, [0.5, 0.2, 0.05, 0.0], [(1, 0.0)]),              # nothing fits: every lms at 0
 ])
 def test_bisection_at_the_ends(limit, bisected, near):
-    tried = drive(bisect_search([1, 1000], AUTO_FRACS), oom_above(limit))
+    tried = drive(bisect_search([1, 1000], BISECT_FRACS), oom_above(limit))
     assert [frac for _, frac, _ in tried[:len(bisected)]] == bisected
     assert {lms for lms, _, _ in tried[:len(bisected)]} == {1000}
     assert [(lms, frac) for lms, frac, _ in tried[len(bisected):]] == near
@@ -140,8 +141,8 @@ def test_bisection_of_a_given_list_and_its_first_lms():
 
 
 def test_bisection_stops_at_a_failure_that_is_not_memory():
-    assert drive(bisect_search([1000], AUTO_FRACS), lambda l, f: "crash") == [(1000, 0.5, "crash")]
-    tried = drive(bisect_search([1000], AUTO_FRACS), lambda l, f: "timeout" if f < 0.5 else "oom")
+    assert drive(bisect_search([1000], BISECT_FRACS), lambda l, f: "crash") == [(1000, 0.5, "crash")]
+    tried = drive(bisect_search([1000], BISECT_FRACS), lambda l, f: "timeout" if f < 0.5 else "oom")
     assert tried == [(1000, 0.5, "oom"), (1000, 0.2, "timeout")]
 
 
@@ -195,6 +196,103 @@ def test_pareto_front_and_recommendation():
     assert best_trial(trials[:5]).id == 2          # within 1% of the fastest, with less memory
     assert best_trial(trials[:2] + [timed(7, 11.0, 9 << 30)]).id == 7
     assert best_trial([trials[4]]) is None
+
+
+def test_auto_runs_first_at_every_lms_and_does_not_steer_the_bisection():
+    without = drive(bisect_search([250, 1000], BISECT_FRACS), oom_above(0.62))
+    tried = drive(bisect_search([250, 1000], ["auto", *BISECT_FRACS]),
+                  lambda lms, frac: "crash" if frac == "auto" else oom_above(0.62)(lms, frac))
+    assert tried == [(1000, "auto", "crash"), (250, "auto", "crash"), *without]
+    assert drive(bisect_search([1, 2], ["auto"]), oom_above(0)) == [(1, "auto", "ok"),
+                                                                    (2, "auto", "ok")]
+
+
+def test_grid_runs_auto_first_at_each_lms():
+    tried = drive(grid_search([1, 2], [0.5, "auto", 0.0]), oom_above(0.2))
+    assert tried == [(1, "auto", "ok"), (1, 0.0, "ok"), (1, 0.5, "oom"),
+                     (2, "auto", "ok"), (2, 0.0, "ok"), (2, 0.5, "oom")]
+
+
+def auto_trial(id: int, speed, **kwargs) -> Trial:
+    trial = timed(id, speed, 4 << 30) if speed else Trial(id, 1000, "auto", {}, [], **kwargs)
+    trial.lms_frac = "auto"
+    return trial
+
+
+@pytest.mark.parametrize("trials, summary, beats", [
+    ([auto_trial(1, 3.0), timed(2, 3.12, 6 << 30), timed(3, 2.0, 2 << 30)],
+     "auto: 3.000 steps/s (lms 1000); the fastest fixed setting (lms 1000, lms_frac 0.5) is 4% "
+     "faster", True),
+    ([auto_trial(1, 3.0), timed(2, 2.4, 6 << 30)],
+     "auto: 3.000 steps/s (lms 1000); no fixed setting beats auto (the fastest fixed setting, "
+     "lms 1000, lms_frac 0.5, is 20% slower)", False),
+    ([auto_trial(1, 3.0), timed(2, 3.02, 6 << 30)], "is within 1%, timing noise)", False),
+    ([auto_trial(1, 3.0), Trial(2, 1000, 0.5, {}, [], status="oom")],
+     "auto: 3.000 steps/s (lms 1000); no fixed setting ran to a step time", False),
+    ([auto_trial(1, 3.0)], "auto: 3.000 steps/s (lms 1000); no fixed setting was tried", False),
+    ([auto_trial(1, None, status="crash", error="ValueError: no"), timed(2, 2.5, 6 << 30)],
+     "auto did not run to a step time (crash: ValueError: no); the fastest fixed setting "
+     "(lms 1000, lms_frac 0.5) ran 2.500 steps/s", False),
+])
+def test_compare_auto(trials, summary, beats):
+    compare = compare_auto(trials)
+    assert summary in compare["summary"] and compare["fixed_beats_auto"] == beats
+    assert compare_auto(trials[1:]) is None                  # no auto trial, nothing to say
+
+
+def fake_trials(monkeypatch, speeds):
+    """Trials that do not run: ``speeds[(lms, frac)]`` steps/s, or their status."""
+    def run_trial(sweep, trial, tick):
+        outcome = speeds[(trial.lms, trial.lms_frac)]
+        if isinstance(outcome, str):
+            trial.status, trial.error = outcome, f"{outcome} at {trial.lms_frac}"
+            return
+        trial.steps, trial.steps_per_s, trial.step_time_s = sweep.steps, outcome, 1 / outcome
+        trial.gpu_peak_bytes, trial.host_peak_bytes, trial.swapped_bytes = 5 << 30, 1 << 30, 0
+
+    monkeypatch.setattr(Sweep, "_run_trial", run_trial)
+
+
+def test_tune_starts_from_auto_and_says_whether_a_fixed_setting_beats_it(tmp_path, monkeypatch):
+    fake_trials(monkeypatch, {(1000, "auto"): 3.0, (1000, 0.0): 2.0, (1000, 0.5): 3.3,
+                              (1000, 1.0): "oom"})
+    out = tmp_path / "out"
+    result = tune("--lms", "1000", "--lms-frac", "auto,0,0.5,1", "--out", str(out),
+                  script(tmp_path, ""))
+    assert result.exit_code == 0
+    assert ("auto: 3.000 steps/s (lms 1000); the fastest fixed setting (lms 1000, lms_frac 0.5) "
+            "is 10% faster") in result.output
+    assert "lmsrt tune: auto at lms 1000, then bisecting lms_frac 0,0.5,1" in result.output
+    assert "trial 1: lms=1000 lms_frac=auto" in result.output
+    data = load(out)
+    assert settings(data)[0] == (1000, "auto", "ok") and data["lms_frac"][0] == "auto"
+    assert data["auto"][0]["fixed_beats_auto"] and data["auto"][0]["auto_id"] == 1
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert rows[0]["lms_frac"] == "auto" and "--lms-frac auto" in rows[0]["command"]
+    table = [line.split() for line in result.output.splitlines() if line.strip().startswith("1 ")]
+    assert table and table[0][2] == "auto"
+
+
+def test_tune_by_default_runs_auto_then_bisects(tmp_path, monkeypatch):
+    speeds = {(lms, frac): 2.0 for lms in (1000, 4000) for frac in BISECT_FRACS}
+    speeds[(1000, "auto")] = speeds[(4000, "auto")] = 2.5
+    fake_trials(monkeypatch, speeds)
+    result = tune("--lms", "1000,4000", "--out", str(tmp_path / "out"), script(tmp_path, ""))
+    assert result.exit_code == 0
+    tried = settings(load(tmp_path / "out"))
+    assert tried[:3] == [(1000, "auto", "ok"), (4000, "auto", "ok"), (1000, 0.5, "ok")]
+    assert "no fixed setting beats auto (the fastest fixed setting, lms 1000, lms_frac 0.5, is " \
+           "20% slower)" in result.output
+    assert "--lms-frac auto" in result.output.splitlines()[-1]       # recommended
+
+
+def test_auto_summary_for_each_param(tmp_path, monkeypatch):
+    fake_trials(monkeypatch, {(1, "auto"): 2.0, (1, 0.5): 1.0})
+    result = tune("--lms", "1", "--lms-frac", "auto,0.5", "--param", "bs=2,4",
+                  "--out", str(tmp_path / "out"), script(tmp_path, ""))
+    assert result.exit_code == 0
+    assert "auto against the fastest fixed setting, for each bs:" in result.output
+    assert "  bs=4: auto: 2.000 steps/s (lms 1)" in result.output
 
 
 def test_outputs_of_made_up_trials(tmp_path, monkeypatch):
@@ -332,7 +430,8 @@ def test_ctrl_c_keeps_the_finished_trials(tmp_path):
     (["--lms-frac", "-0.5"], "-0.5 is not in [0, 1]"),
     (["--lms-frac", "0,nan"], "nan is not a finite number"),
     (["--lms-frac", "inf"], "inf is not a finite number"),
-    (["--lms-frac", "lots"], "'lots' is not a number"),
+    (["--lms-frac", "lots"], "'lots' is not a number or auto"),
+    (["--lms-frac", "auto,Auto"], "'Auto' is not a number or auto"),
     (["--param", "batch-size"], "is not NAME=V1,V2"),
     (["--param", "batch-size="], "is not NAME=V1,V2"),
     (["--param", "=8"], "is not NAME=V1,V2"),

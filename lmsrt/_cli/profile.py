@@ -12,8 +12,6 @@ the script starts and written whole (NOTE [ Output files ] in ``lmsrt._output``)
 from __future__ import annotations
 
 import os
-import runpy
-import sys
 from typing import List, Optional, Sequence, Tuple
 
 import click
@@ -22,9 +20,10 @@ import torch
 from .. import _launch, _timeline
 from .._output import check_output_file, write_atomic
 from .._recorder import StepDone, StepRecorder
+from .._script import run_script
 from .._timeline import MATPLOTLIB_MISSING
 from ..report import build_report
-from .run import _Number, _print_script_traceback
+from ._types import Number
 
 __all__ = ["command"]
 
@@ -35,12 +34,12 @@ _BACKWARD_ENTRIES = {("torch.autograd", "backward"), ("torch.autograd", "grad"),
 
 
 @click.command("profile", context_settings=dict(allow_interspersed_args=False))
-@click.option("--gpu-limit", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
-                                          "--gpu-limit 8"), metavar="GIB",
+@click.option("--gpu-limit", type=Number(0.0, low_open=True, example="give GiB, e.g. "
+                                         "--gpu-limit 8"), metavar="GIB",
               help="Cap this process's GPU memory at GIB, as a smaller GPU would; if the step "
               "runs out of memory the report says where.")
-@click.option("--gpu-size", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
-                                         "--gpu-size 8"), metavar="GIB",
+@click.option("--gpu-size", type=Number(0.0, low_open=True, example="give GiB, e.g. "
+                                        "--gpu-size 8"), metavar="GIB",
               help="GPU size for the verdict (default: what this process may use of this "
               "GPU). Without a GPU: the size to predict for, e.g. --gpu-size 8.")
 @click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
@@ -157,55 +156,30 @@ def _where(rec: StepRecorder, e: BaseException) -> str:
     return f"in {where}"
 
 
-def _exit_status(code: object) -> int:
-    """The status python exits with for ``sys.exit(code)``, printing a message code as it does."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    sys.stdout.flush()
-    print(code, file=sys.stderr, flush=True)
-    return 1
-
-
 def _run_step(script: str, args: List[str], steps: int,
               snapshot: Optional[str]) -> Tuple[StepRecorder, int, str]:
     """Run ``script`` until step ``steps`` is over; return the recorder, an exit status, and
     where the script failed (``""`` if it did not)."""
     rec = StepRecorder(target=steps, stop=True, snapshot=snapshot)
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    status, where = 0, ""
     click.echo(f"lmsrt profile: running {script} to the end of step {steps}")
-    try:
-        # sys.argv and sys.path[0] as `python script.py` would set them.
-        sys.argv = [script, *args]
-        sys.path[0:1] = [os.path.dirname(os.path.abspath(script))]
-        with rec:
-            runpy.run_path(script, run_name="__main__")
-    except StepDone:
+    end = run_script(script, args, around=rec, finished=(StepDone,),
+                     quiet=(torch.OutOfMemoryError,))
+    status, e, where = end.status, end.exception, ""
+    if isinstance(e, StepDone) or e is None:
         pass
-    except SystemExit as e:
-        status = _exit_status(e.code)
+    elif isinstance(e, SystemExit):
         if status:
             where = _where(rec, e)
             rec.finish(error=f"the script exited with status {status} {where}")
-    except KeyboardInterrupt as e:
-        _print_script_traceback(e)
+    elif isinstance(e, KeyboardInterrupt):
         where = _where(rec, e)
         click.echo(f"lmsrt profile: interrupted {where}; no report.", err=True)
-        status = 130
-    except torch.OutOfMemoryError as e:
+    elif isinstance(e, torch.OutOfMemoryError):
         where = _where(rec, e)
         said = ". ".join(str(e).split(". ")[:2]) or "CUDA out of memory"
         rec.finish(error=f"ran out of GPU memory {where}: {said}")
-        status = 1
-    except BaseException as e:
-        _print_script_traceback(e)
+    else:
         where = _where(rec, e)
         rec.finish(error=f"the script raised {type(e).__name__} {where}")
-        status = 1
-    finally:
-        sys.argv[:], sys.path[:] = saved_argv, saved_path
     rec.finish()     # a script that ends inside the step (one step, no optimizer) ends it
     return rec, status, where
-

@@ -9,77 +9,22 @@ in ``LMSRT_*`` environment variables (see ``lmsrt._launch``).
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
-import runpy
 import sys
-import traceback
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import click
 
 from .. import _launch
 from .._output import check_output_file
-from ..config import setting_range
+from .._script import run_script
+from ..options import OPTIONS, env_value
+from ._types import Choice, Number, setting_options, settings_given
 
 __all__ = ["command"]
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-
-
-class _Number(click.ParamType):
-    """A finite float within bounds, whose error message says what to give instead."""
-
-    name = "number"
-
-    def __init__(self, low: Optional[float] = None, high: Optional[float] = None,
-                 low_open: bool = False, example: str = ""):
-        self.low, self.high, self.low_open, self.example = low, high, low_open, example
-
-    @classmethod
-    def setting(cls, field: str, example: str) -> "_Number":
-        """The values an LMS setting accepts (``lmsrt.config.setting_range``)."""
-        low, high = setting_range(field)
-        return cls(low, high, example=example)
-
-    def convert(self, value, param, ctx) -> float:
-        try:
-            x = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number; {self.example}", param, ctx)
-        if not math.isfinite(x):
-            self.fail(f"{value} is not a finite number; {self.example}", param, ctx)
-        too_low = self.low is not None and (x <= self.low if self.low_open else x < self.low)
-        too_high = self.high is not None and x > self.high
-        if too_low or too_high:
-            self.fail(f"{value} is not {self._range()}; {self.example}", param, ctx)
-        return x
-
-    def _range(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low:.6g}, {self.high:.6g}]"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low:.6g}"
-        return f"<= {self.high:.6g}"
-
-
-class _Choice(click.ParamType):
-    """A string matching ``pattern``, whose error message says what to give instead."""
-
-    name = "text"
-
-    def __init__(self, pattern: str, example: str, check=None):
-        self.pattern, self.example, self.check = re.compile(pattern), example, check
-
-    def convert(self, value, param, ctx) -> str:
-        value = str(value)
-        if not self.pattern.fullmatch(value):
-            self.fail(f"{value!r} is not {self.example}", param, ctx)
-        why_not = self.check(value) if self.check else None
-        if why_not:
-            self.fail(why_not, param, ctx)
-        return value
 
 
 def _nproc_available(value: str) -> Optional[str]:
@@ -100,50 +45,82 @@ def _nnodes_ordered(value: str) -> Optional[str]:
     return None
 
 
-_STD = _Choice(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", "0-3 or LOCAL_RANK:N,... (N in 0-3); e.g. 3 "
+_STD = Choice(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", "0-3 or LOCAL_RANK:N,... (N in 0-3); e.g. 3 "
               "or 0:3,1:0")
 
-# The torchrun options accepted before the script: (name, click type, metavar, help); type None
-# is a flag. Each is checked here as torchrun would check it, so that a bad value exits 2 before
-# the hand-over instead of ending torchrun in a traceback. Their underscore spellings
-# (--nproc_per_node) work too: the context normalizes "_" to "-".
-_TORCHRUN_OPTIONS = (
-    ("nproc-per-node", _Choice(r"[1-9]\d*|auto|cpu|gpu|xpu", "a number of workers >= 1, or "
-                               "auto, cpu, gpu; e.g. --nproc-per-node 2", _nproc_available),
-     "N", "Worker processes per node: a number, or gpu, cpu, auto."),
-    ("nnodes", _Choice(r"\d+(:\d+)?", "N or MIN:MAX; e.g. --nnodes 2 or 1:4", _nnodes_ordered),
-     "N", "Number of nodes, or MIN:MAX."),
-    ("node-rank", click.IntRange(min=0), "N", "Rank of this node."),
-    ("master-addr", str, "VALUE", "Address of the rank-0 node (static rendezvous)."),
-    ("master-port", click.IntRange(0, 65535), "N", "Port on the rank-0 node (static "
-     "rendezvous)."),
-    ("rdzv-backend", str, "VALUE", "Rendezvous backend, e.g. c10d."),
-    ("rdzv-endpoint", str, "VALUE", "Rendezvous endpoint, HOST:PORT."),
-    ("rdzv-id", str, "VALUE", "Rendezvous (job) id."),
-    ("rdzv-conf", str, "VALUE", "Rendezvous settings, KEY=VALUE,..."),
-    ("standalone", None, None, "Single node with a local rendezvous on a free port."),
-    ("max-restarts", click.IntRange(min=0), "N", "Worker group restarts before failing."),
-    ("monitor-interval", _Number(0.0, low_open=True, example="give seconds, e.g. "
-                                 "--monitor-interval 0.1"),
-     "S", "Seconds between checks of the workers."),
-    ("log-dir", str, "DIR", "Directory for the workers' logs."),
-    ("redirects", _STD, "VALUE", "Redirect worker std streams to log files (0-3, or RANK:N,...)."),
-    ("tee", _STD, "VALUE", "Tee worker std streams to log files and the console (0-3)."),
-    ("local-ranks-filter", _Choice(r"\d+(,\d+)*", "local ranks separated by commas; e.g. 0 or "
-                                   "0,1"),
-     "RANKS", "Show the output of these local ranks only, e.g. 0."),
-    ("local-addr", str, "VALUE", "Address of this node."),
-)
+# torchrun's options come from its own parser (torch.distributed.run.get_args_parser), so that
+# lmsrt run takes what the installed torchrun takes. Each is checked before the hand-over, so
+# that a bad value exits 2 instead of ending torchrun in a traceback: these by lmsrt's stricter
+# rules (click type, metavar), the others by their argparse type and choices. Their underscore
+# spellings (--nproc_per_node) work too: the context normalizes "_" to "-".
+_CHECKED = {
+    "nproc-per-node": (Choice(r"[1-9]\d*|auto|cpu|gpu|xpu", "a number of workers >= 1, or "
+                              "auto, cpu, gpu; e.g. --nproc-per-node 2", _nproc_available), "N"),
+    "nnodes": (Choice(r"\d+(:\d+)?", "N or MIN:MAX; e.g. --nnodes 2 or 1:4", _nnodes_ordered),
+               "N"),
+    "node-rank": (click.IntRange(min=0), "N"),
+    "master-port": (click.IntRange(0, 65535), "N"),
+    "max-restarts": (click.IntRange(min=0), "N"),
+    "monitor-interval": (Number(0.0, low_open=True, example="give seconds, e.g. "
+                                "--monitor-interval 0.1"), "S"),
+    "log-dir": (str, "DIR"),
+    "redirects": (_STD, "VALUE"),
+    "tee": (_STD, "VALUE"),
+    "local-ranks-filter": (Choice(r"\d+(,\d+)*", "local ranks separated by commas; e.g. 0 or "
+                                  "0,1"), "RANKS"),
+}
+# Not taken: -m is lmsrt run's own (passed on), --no-python would run the script without Python
+# and so without LMS, and --run-path runs it inside torchrun's worker function, which the
+# bootstrap has not been checked with. lmsrt run's own options win over any of the same name.
+_NOT_TAKEN = {"help", "module", "no-python", "run-path", "gpu-limit", "stats",
+              *(option.flag[2:] for option in OPTIONS.values() if option.flag)}
+
+
+def _torchrun_actions() -> Iterator[Tuple[str, str, object]]:
+    """``(name, spelling, argparse action)`` of each torchrun option lmsrt run takes: ``name``
+    dashed, ``spelling`` the one passed on to torchrun."""
+    try:
+        from torch.distributed.run import get_args_parser
+    except ImportError:          # a torch built without torch.distributed: no torchrun
+        return
+    for action in get_args_parser()._actions:
+        spellings = [s for s in action.option_strings if s.startswith("--")]
+        name = spellings[0][2:].replace("_", "-") if spellings else ""
+        if name and name not in _NOT_TAKEN:
+            yield name, spellings[0], action
+
+
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    return re.split(r"(?<!e\.g)(?<!i\.e)\.\s", text, maxsplit=1)[0].rstrip(".") + "."
+
+
+def _click_type(name: str, action) -> Tuple[object, str]:
+    if name in _CHECKED:
+        return _CHECKED[name]
+    if action.choices:
+        return click.Choice([str(c) for c in action.choices]), "|".join(map(str, action.choices))
+    if action.type is int:
+        return click.INT, "N"
+    if action.type is float:
+        return Number(example=f"give a number, e.g. --{name} {action.default}"), "X"
+    return str, "VALUE"
+
+
+_TORCHRUN_OPTIONS = list(_torchrun_actions())
 
 
 def _torchrun_options(f):
-    for name, kind, metavar, help_text in reversed(_TORCHRUN_OPTIONS):
+    for name, _, action in reversed(_TORCHRUN_OPTIONS):
         dest = "torchrun_" + name.replace("-", "_")
-        if kind is None:
-            f = click.option(f"--{name}", dest, is_flag=True, help=f"[torchrun] {help_text}")(f)
+        short = [s for s in action.option_strings if len(s) == 2]     # -r, -t
+        help_text = f"[torchrun] {_first_sentence(action.help or name)}"
+        if action.nargs == 0:
+            f = click.option(f"--{name}", *short, dest, is_flag=True, help=help_text)(f)
         else:
-            f = click.option(f"--{name}", dest, type=kind, default=None, metavar=metavar,
-                             help=f"[torchrun] {help_text}")(f)
+            kind, metavar = _click_type(name, action)
+            f = click.option(f"--{name}", *short, dest, type=kind, default=None,
+                             metavar=metavar, help=help_text)(f)
     return f
 
 
@@ -161,21 +138,9 @@ class _RunCommand(click.Command):
 @click.command("run", cls=_RunCommand, context_settings=dict(
     ignore_unknown_options=False, allow_interspersed_args=False,
     token_normalize_func=lambda name: name.replace("_", "-")))
-@click.option("--lms", type=_Number.setting("lms", "give the size threshold in KB, e.g. --lms "
-                                            "1000 (0 turns swapping off)"),
-              metavar="KB", help="Saved tensors smaller than this stay on the GPU [LMSRT_LMS].")
-@click.option("--lms-frac", type=_Number(0.0, 1.0, example="give the fraction of GPU memory used "
-                                         "before swapping starts, e.g. --lms-frac 0.75"),
-              metavar="F", help="No swapping while GPU use is under F times what the process "
-              "may use [LMSRT_LMS_FRAC].")
-@click.option("--prefetch-mb", type=_Number.setting("prefetch_mb", "give MiB, e.g. "
-                                                    "--prefetch-mb 4096"),
-              metavar="MB", help="Most bytes brought back ahead of backward [LMSRT_PREFETCH_MB].")
-@click.option("--host-budget-gb", type=_Number.setting("host_budget_gb", "give GiB per "
-                                                       "process, e.g. --host-budget-gb 64"),
-              metavar="G", help="Most pinned host memory per process [LMSRT_HOST_BUDGET_GB].")
-@click.option("--gpu-limit", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
-                                          "--gpu-limit 12"),
+@setting_options
+@click.option("--gpu-limit", type=Number(0.0, low_open=True, example="give GiB, e.g. "
+                                         "--gpu-limit 12"),
               metavar="GIB", help="Cap each process's GPU memory, as a smaller GPU would.")
 @click.option("--stats", type=click.Path(), metavar="FILE",
               help="Write LMS stats and step times as JSON at exit, also after SIGTERM (rank "
@@ -185,9 +150,8 @@ class _RunCommand(click.Command):
               help="Run a module, as python -m does: lmsrt run -m pkg.train ARGS.")
 @_torchrun_options
 @click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
-def command(lms: Optional[float], lms_frac: Optional[float], prefetch_mb: Optional[float],
-            host_budget_gb: Optional[float], gpu_limit: Optional[float], stats: Optional[str],
-            as_module: bool, target_and_args: Sequence[str], **torchrun: object) -> None:
+def command(gpu_limit: Optional[float], stats: Optional[str], as_module: bool,
+            target_and_args: Sequence[str], **options: object) -> None:
     """Run SCRIPT with LMS enabled from its first line to its last, unmodified.
 
     Options go before SCRIPT; everything after it is the script's own (--help included).
@@ -198,6 +162,7 @@ def command(lms: Optional[float], lms_frac: Optional[float], prefetch_mb: Option
     \b
     Examples:
       lmsrt run --lms 1000 --lms-frac 0.75 train.py --epochs 3
+      lmsrt run --lms-frac auto train.py
       lmsrt run --gpu-limit 12 --stats stats.json -m mypkg.train --lr 1e-3
       lmsrt run --nproc-per-node 8 --lms-frac 0.6 train.py --batch-size 16
     """
@@ -206,9 +171,7 @@ def command(lms: Optional[float], lms_frac: Optional[float], prefetch_mb: Option
                                "lmsrt run --lms 1000 train.py (or -m pkg.module).")
     target, args = target_and_args[0], list(target_and_args[1:])
     _check_target(target, as_module)
-    settings = {"lms": lms, "lms_frac": lms_frac, "prefetch_mb": prefetch_mb,
-                "host_budget_gb": host_budget_gb}
-    settings = {k: v for k, v in settings.items() if v is not None}
+    settings = settings_given(options)
     try:
         _launch.check_environment(lms_overrides=settings)
     except ValueError as e:
@@ -219,7 +182,7 @@ def command(lms: Optional[float], lms_frac: Optional[float], prefetch_mb: Option
             stats_path = check_output_file(stats)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="'--stats'") from None
-    forwarded = _forwarded_torchrun_args(torchrun)
+    forwarded = _forwarded_torchrun_args(options)
     if gpu_limit is not None and not _gpu_limit_applies(gpu_limit):
         gpu_limit = None
     if forwarded:
@@ -261,29 +224,26 @@ def _gpu_limit_applies(limit_gb: float) -> bool:
 
 def _forwarded_torchrun_args(torchrun: Dict[str, object]) -> List[str]:
     out = []
-    for name, kind, _, _ in _TORCHRUN_OPTIONS:
+    for name, spelling, action in _TORCHRUN_OPTIONS:
         value = torchrun["torchrun_" + name.replace("-", "_")]
-        if kind is None and value:
-            out.append(f"--{name}")
-        elif kind is not None and value is not None:
-            out.append(f"--{name}={value}")
+        if action.nargs == 0 and value:
+            out.append(spelling)
+        elif action.nargs != 0 and value is not None:
+            out.append(f"{spelling}={value}")
     return out
 
 
 def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module: bool,
-                   settings: Dict[str, float], stats_path: Optional[str],
+                   settings: Dict[str, object], stats_path: Optional[str],
                    gpu_limit: Optional[float]) -> None:
     """Become ``python -m torch.distributed.run``; the bootstrap enables LMS in each worker.
 
     exec, not a child process: this process then holds no CUDA context (checking --gpu-limit may
     have made one) and signals reach torchrun directly.
     """
-    from ..config import ENV_VARS
-
     env = os.environ
-    field_to_var = {field: var for var, field in ENV_VARS.items()}
-    for field, value in settings.items():
-        env[field_to_var[field]] = repr(value)
+    for name, value in settings.items():
+        env[OPTIONS[name].env] = env_value(value)
     if stats_path:
         env[_launch.ENV_STATS] = stats_path
     if gpu_limit is not None:
@@ -299,52 +259,23 @@ def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module
     os.execv(sys.executable, argv)
 
 
-def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str, float],
-              stats_path: Optional[str], gpu_limit: Optional[float]) -> object:
+def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str, object],
+              stats_path: Optional[str], gpu_limit: Optional[float]) -> int:
     """Run the script in this process with LMS on; return its exit status."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
     saved_active = os.environ.get(_launch.ENV_ACTIVE)
     try:
         session = _launch.start(lms_overrides=settings, stats_path=stats_path,
                                 gpu_limit_gb=gpu_limit)
     except ValueError as e:   # e.g. a bad LMSRT_* variable in the environment
         raise click.UsageError(f"{e}") from None
-    status: object = 0
+    status = 1
     try:
-        # sys.path[0] and sys.argv as `python script.py` / `python -m module` would set them.
-        if as_module:
-            sys.argv = [target, *args]      # run_module replaces argv[0] with the module's file
-            sys.path[0:1] = [os.getcwd()]
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [target, *args]
-            sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as e:
-        status = e.code      # a message (sys.exit("msg")) is printed as python prints it, at exit
-    except KeyboardInterrupt as e:
-        _print_script_traceback(e)
-        status = 130
-    except BaseException as e:
-        _print_script_traceback(e)
-        status = 1
+        status = run_script(target, args, as_module=as_module).status
     finally:
-        if not session.finish() and status in (0, None):
+        if not session.finish() and status == 0:
             status = 1       # asked for stats and got none: no success to report
-        sys.argv, sys.path[:] = saved_argv, saved_path
         if saved_active is None:
             os.environ.pop(_launch.ENV_ACTIVE, None)
         else:
             os.environ[_launch.ENV_ACTIVE] = saved_active
     return status
-
-
-def _print_script_traceback(e: BaseException) -> None:
-    """The traceback python would print: without the frames of lmsrt's CLI and of runpy (frozen
-    or not) above the script."""
-    tb = e.__traceback__
-    while tb is not None and (tb.tb_frame.f_globals.get("__name__") or "").startswith(
-            ("lmsrt._cli.", "runpy")):
-        tb = tb.tb_next
-    sys.stdout.flush()
-    traceback.print_exception(type(e), e, tb, file=sys.stderr)

@@ -1,10 +1,12 @@
 """``lmsrt tune``: find the ``--lms``/``--lms-frac`` settings that train a script fastest.
 
 IBM's LMS tuning guide said: start at ``-lms 1000 -lms_frac 0.0``, raise ``-lms`` as far as it
-goes, then raise ``-lms_frac`` step by step until memory runs out. This does it for the user: each
-trial is the unmodified script under ``lmsrt run`` in a fresh process, stopped after ``--steps``
-steps; the search and the trials live in ``lmsrt.tuning`` (see NOTE [ Tuning search ] there).
-This module parses the options, shows the trials as they go and writes what they found.
+goes, then raise ``-lms_frac`` step by step until memory runs out. This does it for the user,
+starting from ``--lms-frac auto`` (the engine finds the fraction) and saying whether any fixed
+fraction beats it: each trial is the unmodified script under ``lmsrt run`` in a fresh process,
+stopped after ``--steps`` steps; the search and the trials live in ``lmsrt.tuning`` (see
+NOTE [ Tuning search ] there). This module parses the options, shows the trials as they go and
+writes what they found.
 """
 from __future__ import annotations
 
@@ -15,28 +17,28 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from ..tuning import (AUTO_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
-                      pareto_front, reference_lms, run_command, write_plot, write_results)
-from .._timeline import format_bytes
-from ..config import setting_range
-from .run import _Number
+from ..options import AUTO, OPTIONS, format_setting, setting_range
+from ..tuning import (BISECT_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
+                      compare_auto, pareto_front, reference_lms, run_command, write_plot,
+                      write_results)
+from ..units import format_bytes
+from ._types import Number
 
 __all__ = ["command"]
 
 
 class _NumberList(click.ParamType):
-    """Comma-separated numbers, each checked as ``item`` checks one; repeats dropped."""
+    """Comma-separated numbers (or the item's words), each checked as ``item`` checks one;
+    repeats dropped."""
 
     name = "list"
 
-    def __init__(self, item: _Number, auto: bool = False):
-        self.item, self.auto = item, auto
+    def __init__(self, item: Number):
+        self.item = item
 
-    def convert(self, value, param, ctx) -> Optional[Tuple[float, ...]]:
+    def convert(self, value, param, ctx) -> Tuple[object, ...]:
         if not isinstance(value, str):
             return value
-        if self.auto and value.strip() == "auto":
-            return None
         items = [v.strip() for v in value.split(",")]
         if not all(items):
             self.fail(f"{value!r} has an empty item; give numbers separated by commas, "
@@ -60,28 +62,30 @@ class _ParamValues(click.ParamType):
         return match.group(1), tuple(dict.fromkeys(values))
 
 
-_LMS = _Number(0.0, setting_range("lms")[1], low_open=True,
-               example="give KB > 0, e.g. --lms 250,1000,4000")
-_FRAC = _Number(0.0, 1.0, example="give fractions of GPU memory, e.g. --lms-frac 0,0.5,0.9 "
-                "(or auto)")
+_LMS_FLAG, _FRAC_FLAG = OPTIONS["lms"].flag, OPTIONS["lms_frac"].flag
+_LMS = Number(0.0, setting_range("lms")[1], low_open=True,
+              example=f"give KB > 0, e.g. {_LMS_FLAG} 250,1000,4000")
+_FRAC = Number(*setting_range("lms_frac"), words=OPTIONS["lms_frac"].words,
+               example=f"give fractions of GPU memory or auto, e.g. {_FRAC_FLAG} auto,0,0.5,0.9")
 
 
 @click.command("tune", context_settings=dict(allow_interspersed_args=False))
-@click.option("--lms", "lms_values", type=_NumberList(_LMS), default="250,500,1000,4000",
-              show_default=True, metavar="KB,...", help="The --lms values to try.")
-@click.option("--lms-frac", "fracs", type=_NumberList(_FRAC, auto=True), default="auto",
-              show_default=True, metavar="auto|F,...",
-              help="The --lms-frac values: auto bisects 0, 0.05, ..., 1 (with --grid: 0, 0.1, "
-              "..., 1); a list is bisected, or gridded with --grid.")
+@click.option(_LMS_FLAG, "lms_values", type=_NumberList(_LMS), default="250,500,1000,4000",
+              show_default=True, metavar="KB,...", help=f"The {_LMS_FLAG} values to try.")
+@click.option(_FRAC_FLAG, "fracs", type=_NumberList(_FRAC), default=None,
+              show_default="auto, then 0, 0.05, ..., 1", metavar="auto,F,...",
+              help=f"The {_FRAC_FLAG} values: auto (the engine finds the fraction) runs first, "
+              "at every --lms; the fractions are bisected (with --grid: each tried, 0, 0.1, "
+              "..., 1 by default). The summary says whether any fraction beats auto.")
 @click.option("--param", "params", type=_ParamValues(), multiple=True, metavar="NAME=V1,V2",
               help="Also sweep a flag of the script, e.g. batch-size=8,16 (repeatable): each "
               "trial's script gets --NAME V, replacing the value in its arguments if there.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, metavar="N",
               help="Steps per trial; the step time is the median after 2 warm-up steps.")
-@click.option("--gpu-limit", type=_Number(0.0, low_open=True, example="give GiB, e.g. "
+@click.option("--gpu-limit", type=Number(0.0, low_open=True, example="give GiB, e.g. "
                                           "--gpu-limit 12"),
               metavar="GIB", help="Cap each trial's GPU memory, as a smaller GPU would.")
-@click.option("--timeout", type=_Number(0.0, low_open=True, example="give seconds, e.g. "
+@click.option("--timeout", type=Number(0.0, low_open=True, example="give seconds, e.g. "
                                         "--timeout 600"),
               default="600", show_default=True, metavar="S", help="Seconds before a trial is "
               "killed (with every process it started).")
@@ -91,20 +95,21 @@ _FRAC = _Number(0.0, 1.0, example="give fractions of GPU memory, e.g. --lms-frac
 @click.option("--grid", is_flag=True, help="Run every --lms x --lms-frac pair instead of the "
               "bisection.")
 @click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
-def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[float, ...]],
+def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
             params: Sequence[Tuple[str, Tuple[str, ...]]], steps: int, gpu_limit: Optional[float],
             timeout: float, out_dir: str, grid: bool, target_and_args: Sequence[str]) -> None:
     """Find the LMS settings that train SCRIPT fastest, one lmsrt run per trial.
 
     Options go before SCRIPT (or before --); everything after it is the script's own. Each
     trial stops after --steps steps. At the end: a table, results.csv, results.json, a plot of
-    speed against GPU memory, and the lmsrt run command to use.
+    speed against GPU memory, whether a fixed --lms-frac beats auto, and the lmsrt run command
+    to use.
 
     \b
     Examples:
       lmsrt tune -- train.py --epochs 1
       lmsrt tune --gpu-limit 12 --param batch-size=8,16,32 -- train.py
-      lmsrt tune --grid --lms 1000,4000 --lms-frac 0,0.4,0.8 --steps 12 train.py
+      lmsrt tune --grid --lms 1000,4000 --lms-frac auto,0,0.4,0.8 --steps 12 train.py
     """
     if not target_and_args:
         raise click.UsageError("no script given; name it after the options, e.g. "
@@ -144,12 +149,18 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[float, ...]],
 
 def _describe(sweep: Sweep) -> str:
     lms = ",".join(f"{v:g}" for v in sweep.lms_values)
-    fracs = ",".join(f"{v:g}" for v in sorted(sweep.fracs))
-    if sweep.fracs in (list(AUTO_FRACS), list(GRID_FRACS)):
-        fracs = f"{min(sweep.fracs):g}..{max(sweep.fracs):g}"
-    what = (f"grid of lms {lms} x lms_frac {fracs}" if sweep.grid else
-            f"bisecting lms_frac {fracs} at lms {reference_lms(sweep.lms_values):g}, then lms "
-            f"{lms} near the best")
+    auto = AUTO in sweep.fracs
+    numbers = sorted(f for f in sweep.fracs if f != AUTO)
+    fracs = ",".join(f"{v:g}" for v in numbers)
+    if numbers in (list(BISECT_FRACS), list(GRID_FRACS)):
+        fracs = f"{min(numbers):g}..{max(numbers):g}"
+    if sweep.grid:
+        what = f"grid of lms {lms} x lms_frac {'auto,' if auto else ''}{fracs}".rstrip(",")
+    else:
+        bisect = (f"bisecting lms_frac {fracs} at lms {reference_lms(sweep.lms_values):g}, then "
+                  f"lms {lms} near the best")
+        what = (f"auto at lms {lms}" + (f", then {bisect}" if numbers else "") if auto
+                else bisect)
     for name, values in sweep.params:
         what += f", for each {name} in {','.join(values)}"
     return what
@@ -167,7 +178,8 @@ def _table(trials: Sequence[Trial], names: List[str], marks: Optional[dict] = No
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)) + "  note"]
     for t in trials:
         mark = (marks or {}).get(t.id, "")
-        cells = [f"{mark}{t.id}", *(t.params[n] for n in names), f"{t.lms:g}", f"{t.lms_frac:g}",
+        cells = [f"{mark}{t.id}", *(t.params[n] for n in names), f"{t.lms:g}",
+                 format_setting(t.lms_frac),
                  t.status, "-" if t.steps_per_s is None else f"{t.steps_per_s:.3f}",
                  _bytes(t.gpu_peak_bytes), _bytes(t.host_peak_bytes), _bytes(t.swapped_bytes)]
         row = "  ".join(c.rjust(w) for c, w in zip(cells, widths))
@@ -187,7 +199,7 @@ class _LiveView:
     @staticmethod
     def _label(t: Trial) -> str:
         params = "".join(f" {k}={v}" for k, v in t.params.items())
-        return f"trial {t.id}: lms={t.lms:g} lms_frac={t.lms_frac:g}{params}"
+        return f"trial {t.id}: lms={t.lms:g} lms_frac={format_setting(t.lms_frac)}{params}"
 
     def start(self, trial: Trial) -> None:
         if self.redraw:
@@ -246,7 +258,23 @@ def _finish(sweep: Sweep, names: List[str], interrupted: bool) -> int:
                                          f"{_bytes(own.gpu_peak_bytes)}: "
                                          f"{run_command(own, sweep.script, sweep.gpu_limit)}"
                                          if own else "nothing fit"))
+    _say_auto(sweep, names)
     click.echo(f"\nRecommended (trial {best.id}: {best.steps_per_s:.3f} steps/s, "
                f"{_bytes(best.gpu_peak_bytes)} GPU peak):")
     click.echo(f"  {run_command(best, sweep.script, sweep.gpu_limit)}")
     return 130 if interrupted else 0
+
+
+def _say_auto(sweep: Sweep, names: List[str]) -> None:
+    """Whether a fixed lms_frac beats auto, for each --param combination that ran auto."""
+    said = []
+    for params in sweep.combinations():
+        compare = compare_auto([t for t in sweep.trials if t.params == params])
+        if compare:
+            label = " ".join(f"{k}={v}" for k, v in params.items())
+            said.append(f"{label + ': ' if label else ''}{compare['summary']}")
+    if len(said) == 1 and not names:
+        click.echo(f"\n{said[0]}")
+    elif said:
+        click.echo(f"\nauto against the fastest fixed setting, for each {', '.join(names)}:")
+        click.echo("\n".join(f"  {line}" for line in said))
