@@ -289,7 +289,8 @@ class HostPool:
 
     ``alloc`` returns None when the budget says no, when pinning failed, or while the pin that
     would serve it is under way (unless ``wait=True``): the caller keeps the tensor on the GPU.
-    Figures: ``pinned_bytes``, ``used_bytes``, ``peak_used``, ``refused`` (as the engine resets
+    Figures: ``pinned_bytes`` (pins under way included: a figure that does not depend on
+    when they land), ``used_bytes``, ``peak_used``, ``refused`` (as the engine resets
     them), ``pins_in_flight``, and per step (reset by ``new_step``) ``pin_seconds``,
     ``pin_wait_seconds``, ``lagged``, ``given_back_bytes``.
 
@@ -311,7 +312,7 @@ class HostPool:
         self.fixed_budget = budget
         self.chunk_min, self.chunk_max, self.idle_steps = chunk_min, chunk_max, idle_steps
         self.slabs: List[_Slab] = []      # oldest first: requests fill them in this order
-        self.pinned_bytes = 0
+        self.pinned_bytes = 0     # pinned, or being pinned: what the host has given the pool
         self.used_bytes = 0
         self.peak_used = 0
         self.refused = 0          # allocations refused by the budget or by a failed pin
@@ -341,10 +342,7 @@ class HostPool:
     def budget(self) -> int:
         if self.fixed_budget is not None:
             return self.fixed_budget
-        return host_budget(self._committed())
-
-    def _committed(self) -> int:
-        return self.pinned_bytes + sum(p.size for p in self._pending)
+        return host_budget(self.pinned_bytes)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -470,7 +468,7 @@ class HostPool:
         """The size of the next pin for a request of ``nbytes``: an eighth of what is held,
         within the chunk bounds; exactly ``nbytes`` for a request of half that or more, which
         would leave a tail that requests may never fill."""
-        chunk = min(max(self._committed() >> 3, self.chunk_min), self.chunk_max)
+        chunk = min(max(self.pinned_bytes >> 3, self.chunk_min), self.chunk_max)
         return nbytes if 2 * nbytes >= chunk else chunk
 
     def _grow(self, nbytes: int, size: int) -> Optional[_Pin]:
@@ -481,19 +479,20 @@ class HostPool:
         size = -(-size // _PAGE) * _PAGE
         if self._pin_cap is not None:
             size = max(min(size, self._pin_cap), -(-nbytes // _PAGE) * _PAGE)
-        room = self.budget() - self._committed()
+        room = self.budget() - self.pinned_bytes
         if size > room:
             size = room // _PAGE * _PAGE
         if size < nbytes or size <= 0:
             self._refuse(nbytes)
             self._warn_once("lmsrt: the host memory budget is reached "
-                            f"({self._committed() / 2**30:.2f} GiB pinned, "
+                            f"({self.pinned_bytes / 2**30:.2f} GiB pinned, "
                             f"{max(room, 0) / 2**30:.2f} GiB more allowed); saved "
                             "tensors that do not fit stay on the GPU (said once). Free host "
                             "memory, or raise host_budget_gb (--host-budget-gb, "
                             "LMSRT_HOST_BUDGET_GB) if the GPU runs out.")
             return None
         pin = _Pin(size)
+        self.pinned_bytes += size
         self._pending.append(pin)
         self._pinner.pin(pin)
         return pin
@@ -509,9 +508,9 @@ class HostPool:
                 self.pin_wait_seconds += pin.seconds
             if pin.tensor is not None:
                 self.slabs.append(_Slab(pin.tensor, pin.size, self._step))
-                self.pinned_bytes += pin.size
                 pin.tensor = None
             else:
+                self.pinned_bytes -= pin.size
                 self._refused_from, self._pin_cap = 0, max(pin.size // 2, _PAGE)
                 self._warn_once(f"lmsrt: pinning {pin.size / 2**30:.2f} GiB of host memory "
                                 f"failed ({pin.error}); saved tensors that do not fit in what is "
