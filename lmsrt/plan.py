@@ -2,7 +2,7 @@
 
 A step records the sizes of the storages it saves, in save order. If the next step repeats the
 sequence (same sizes in the same order), it follows the plan: it offloads the storages before
-``cutoff``, the *earliest* ones, which backward needs last, so their copies have the whole rest of
+``cutoff`` (or those ``chosen``), the *earliest* ones, which backward needs last, so their copies have the whole rest of
 forward to go out and most of backward to come back. How far the cutoff reaches is the policy's
 decision (policy.py: a fixed mark's target in bytes, or the smallest cutoff whose predicted peak
 fits). A sequence that differs (dynamic shapes) makes the rest of that step reactive and is
@@ -31,6 +31,7 @@ class OffloadPlan:
         self.current: List[int] = []    # sizes seen so far in this step
         self.target = 0                 # bytes to offload, earliest first
         self.cutoff = 0                 # offload storages with index < cutoff
+        self.chosen: List[bool] = []    # or, if not empty: offload storage i if chosen[i]
         self.planned = False            # False: this step is reactive
         self.matched = True             # this step's sequence matches the recording so far
         self.live: set = set()          # indices whose storage outlived the step anyway
@@ -52,7 +53,8 @@ class OffloadPlan:
         if not (self.planned and self.matched):
             return False
         if index < len(self.recorded) and self.recorded[index] == nbytes:
-            return index < self.cutoff
+            chosen = self.chosen
+            return chosen[index] if chosen else index < self.cutoff
         self.matched = False
         return False
 
@@ -78,6 +80,7 @@ class OffloadPlan:
     def set_target(self, target: int) -> None:
         """Offload the earliest storages whose sizes add up to at least ``target`` bytes."""
         self.target = max(0, int(target))
+        self.chosen = []
         cumulative = list(itertools.accumulate(self.recorded))
         self.cutoff = min(len(cumulative), bisect.bisect_left(cumulative, self.target) + 1) \
             if self.target > 0 else 0
@@ -86,3 +89,10 @@ class OffloadPlan:
         """Offload the storages before ``cutoff``."""
         self.cutoff = max(0, min(cutoff, len(self.recorded)))
         self.target = sum(self.recorded[:self.cutoff])
+        self.chosen = []
+
+    def set_offloaded(self, chosen: List[bool]) -> None:
+        """Offload storage i if ``chosen[i]`` (one flag per recorded storage)."""
+        self.chosen = list(chosen)
+        self.target = sum(n for n, out in zip(self.recorded, chosen) if out)
+        self.cutoff = max((i + 1 for i, out in enumerate(chosen) if out), default=0)

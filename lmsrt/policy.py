@@ -69,6 +69,7 @@ __all__ = ["FixedPolicy", "AutoPolicy", "Profile", "make_policy"]
 _SLACK = 0.05      # FixedPolicy shrinks its target only when this far under the mark
 _RELEARN = 16      # AutoPolicy learns a changed sequence again at most this often (steps)
 _NEVER = 1 << 62
+_REPLAN = 8        # AutoPolicy plans again when its budget moved by limit >> _REPLAN
 
 
 class FixedPolicy:
@@ -184,9 +185,13 @@ class AutoPolicy:
 
     def __init__(self, limit: int, window: int):
         self.limit = limit
-        self.overlap = min(window, limit >> 3)
-        self.headroom = limit >> 5
-        self.floor = limit >> 6
+        # Learning holds little: its step must fit before anything is known of the model.
+        self.overlap = min(window, limit >> 4)
+        # The allocator needs room beside what is allocated (reserved but unallocated blocks,
+        # ~0.45 GiB measured on an LM at an 18 GiB cap with expandable segments).
+        self.headroom = limit >> 4
+        self.floor = limit >> 5
+        self.correction = 0            # how far the profile over- (-) or under- (+) predicts
         self.profile: Optional[Profile] = None
         self.learning = True           # this step records a profile
         self._recording: Optional[Profile] = None
@@ -194,7 +199,7 @@ class AutoPolicy:
         self._clean = 0
         self._base = 0
         self._cutoff = -1
-        self._planned_for = None       # (base quantum, headroom) the arrays were made for
+        self._planned_for = None       # the budget the current plan was made for
         self._swap: List[int] = []
         self._hold: List[int] = []
         self._fetch: List[int] = []
@@ -248,79 +253,60 @@ class AutoPolicy:
 
     def _make_plan(self, plan: OffloadPlan, base: int) -> None:
         prof = self.profile
-        budget = self.bound - base
-        key = (budget >> 24, len(plan.recorded))
-        if key == self._planned_for:
-            return
-        self._planned_for = key
-        n = len(prof.sizes)
+        budget = self.bound - base - self.correction
+        if (self._planned_for is not None and abs(budget - self._planned_for) < self.limit >> _REPLAN
+                and len(plan.recorded) == len(prof.sizes)):
+            return                       # the same plan, give or take a few MiB of use
+        self._planned_for = budget
+        n, p = len(prof.sizes), len(prof.bwd_own)
         live = plan.live | prof.live
-        sizes = [0 if i in live else size for i, size in enumerate(prof.sizes)]
-        last = [min(u, len(prof.bwd_own)) for u in prof.last_use]
-        low, high = 0, n
-        if self._peak_for(n, sizes, last)[0] > budget:
-            low = n                      # even everything offloaded is predicted not to fit
-        while low < high:
-            mid = (low + high) // 2
-            if self._peak_for(mid, sizes, last)[0] <= budget:
-                high = mid
+        # Keep storages from the last saved down (backward needs them first), each one whose
+        # bytes fit under the budget at every point from its save to its last use; offload the
+        # rest. (Keeping a plain suffix would have to keep the last storages first, which are
+        # often the largest and alive at the peak: an LM's fp32 log-softmax output.)
+        fwd = list(prof.fwd_peak)
+        bwd = list(prof.bwd_peak)
+        offload = [False] * n
+        for k in range(n - 1, -1, -1):
+            size = prof.sizes[k]
+            if k in live or not size:
+                continue
+            end = min(prof.last_use[k], p - 1)
+            if (max(fwd[k + 1:], default=0) + size <= budget
+                    and max(bwd[:end + 1], default=0) + size <= budget):
+                fwd[k + 1:] = [v + size for v in fwd[k + 1:]]
+                bwd[:end + 1] = [v + size for v in bwd[:end + 1]]
             else:
-                low = mid + 1
-        peak, kept_fwd, kept_bwd = self._peak_for(low, sizes, last)
-        self._cutoff = low
-        plan.set_cutoff(low)
+                offload[k] = True
+        plan.set_offloaded(offload)
+        peak = max(fwd + bwd, default=0)
         self.predicted_peak = base + peak
         slack = max(0, budget - peak)
-        fwd_own, fwd_peak = prof.fwd_own, prof.fwd_peak
-        bwd_own, bwd_peak = prof.bwd_own, prof.bwd_peak
+        fwd_own, bwd_own = prof.fwd_own, prof.bwd_own
+        kept_fwd = [f - q for f, q in zip(fwd, prof.fwd_peak)]
+        kept_bwd = [b - q for b, q in zip(bwd, prof.bwd_peak)]
         self._swap = [fwd_own[i] + kept_fwd[i] + slack for i in range(n)]
-        nxt = fwd_peak[1:] + bwd_peak[:1]
+        nxt = prof.fwd_peak[1:] + prof.bwd_peak[:1]
         self._hold = [budget - max(0, nxt[i] - fwd_own[i]) if i < len(nxt) else budget
                       for i in range(n)]
         # Highest predicted use in backward after point j, against predicted use at j.
-        fetch: List[int] = [0] * len(bwd_own)
+        fetch: List[int] = [0] * p
         later = None
-        for j in range(len(bwd_own) - 1, -1, -1):
+        for j in range(p - 1, -1, -1):
             now = bwd_own[j] + kept_bwd[j]
             fetch[j] = budget - max(0, later - now) if later is not None else budget
-            here = bwd_peak[j] + kept_bwd[j]
-            later = here if later is None else max(later, here)
+            later = bwd[j] if later is None else max(later, bwd[j])
         self._fetch = fetch
         self._reactive = base + budget - prof.growth()
-        moved = sum(sizes[:low])
-        self.why = (f"offloads the first {low} of {n} saved storages ({moved / 2**30:.2f} GiB) so "
-                    f"that the predicted peak, {(base + peak) / 2**30:.2f} GiB, stays under "
-                    f"{self.bound / 2**30:.2f} GiB (limit less {self.headroom / 2**30:.2f} GiB "
-                    "headroom)" if low else
-                    f"keeps everything on the GPU: the predicted peak, {(base + peak) / 2**30:.2f} "
-                    f"GiB, is under {self.bound / 2**30:.2f} GiB")
-
-    def _peak_for(self, c: int, sizes: List[int], last: List[int]):
-        """The predicted peak (relative) with storages before ``c`` offloaded, and the kept
-        bytes alive at each forward and backward point."""
-        prof = self.profile
-        n, p = len(sizes), len(prof.bwd_own)
-        best = -_NEVER
-        kept_fwd = [0] * n
-        k = 0
-        for i in range(n):
-            kept_fwd[i] = k
-            if prof.fwd_peak[i] + k > best:
-                best = prof.fwd_peak[i] + k
-            if i >= c:
-                k += sizes[i]
-        ends = [0] * (p + 1)
-        for i in range(c, n):
-            if sizes[i]:
-                ends[last[i]] += sizes[i]
-        kept_bwd = [0] * p
-        alive = ends[p]
-        for j in range(p - 1, -1, -1):
-            alive += ends[j]
-            kept_bwd[j] = alive
-            if prof.bwd_peak[j] + alive > best:
-                best = prof.bwd_peak[j] + alive
-        return best, kept_fwd, kept_bwd
+        count = sum(offload)
+        moved = sum(size for size, out in zip(prof.sizes, offload) if out)
+        self._cutoff = count
+        gib = 2**30
+        self.why = (f"offloads {count} of {n} saved storages ({moved / gib:.2f} GiB, the "
+                    f"earliest) so that the predicted peak, {(base + peak) / gib:.2f} GiB, "
+                    f"stays under {self.bound / gib:.2f} GiB" if count else
+                    f"keeps everything on the GPU: the predicted peak, {(base + peak) / gib:.2f} "
+                    f"GiB, is under {self.bound / gib:.2f} GiB")
 
     # -- after a step ------------------------------------------------------------------------
 
@@ -341,30 +327,36 @@ class AutoPolicy:
             self._planned_for = None
             return
         self._since_learnt += 1
-        limit, bound = self.limit, self.bound
+        limit, bound, gib = self.limit, self.bound, 2**30
         if retries:
             self.headroom = min(limit >> 2, self.headroom + (limit >> 5))
             self._clean = 0
             self.why = (f"the allocator freed its cache {retries} time(s) to go on: headroom "
-                        f"raised to {self.headroom / 2**30:.2f} GiB")
+                        f"raised to {self.headroom / gib:.2f} GiB")
         elif peak > bound:
-            self.headroom = min(limit >> 2, self.headroom + peak - bound)
+            self.correction += peak - bound
             self._clean = 0
-            self.why = (f"the step's peak, {peak / 2**30:.2f} GiB, passed the bound: headroom "
-                        f"raised to {self.headroom / 2**30:.2f} GiB")
-        else:
+            self.why = (f"the step's peak, {peak / gib:.2f} GiB, passed the bound: planning for "
+                        f"{self.correction / gib:+.2f} GiB more than learnt")
+        elif followed:
             self._clean += 1
-            if self._clean >= 2 and self.headroom > self.floor:
+            room = bound - peak
+            if room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2):
+                # Predicted high (the learning step's own use is not quite a planned step's):
+                # keep half the unused room's worth more from the next step.
+                self.correction = max(-(limit >> 2), self.correction - room // 2)
+                self.why = (f"the step peaked {room / gib:.2f} GiB under the bound: planning for "
+                            f"{self.correction / gib:+.2f} GiB against what was learnt")
+            elif self._clean >= 4 and self.headroom > self.floor:
                 self.headroom = max(self.floor, self.headroom - (limit >> 7))
                 self._clean = 0
-                self.why = f"clean steps: headroom given back to {self.headroom / 2**30:.2f} GiB"
+                self.why = f"clean steps: headroom given back to {self.headroom / gib:.2f} GiB"
         if not followed and self._since_learnt >= _RELEARN:
             self.learning = True        # the sequence changed: learn it again
             self.why = "the sequence of saved tensors changed: learning it again"
         if self.profile is None:
             plan.set_target(swapped)
             self._reactive = bound - self.overlap
-        self._planned_for = None
 
     def step_figures(self) -> dict:
         """What a step runs with, for its StepStats."""
