@@ -272,7 +272,9 @@ class _Pinner:
             self.cond.wait_for(lambda: pin.finished or self.stopped)
 
     def stop(self) -> None:
-        """Stop and join the threads (a pin under way is finished first) and drop what is left."""
+        """Stop and join the threads (a pin under way is finished first) and drop what is left,
+        slabs to give back included: the device is synchronized by then (the engine's Rule 8,
+        or its finalizer)."""
         with self.cond:
             self.stopped = True
             self.todo.clear()
@@ -340,9 +342,12 @@ class HostPool:
         return self._pinner.in_flight
 
     def budget(self) -> int:
+        """The most this pool may hold, pins under way included. Those have not yet taken
+        their bytes from the host's free memory, which the budget reads, so they are taken from
+        the share: a burst of pins cannot overrun the host."""
         if self.fixed_budget is not None:
             return self.fixed_budget
-        return host_budget(self.pinned_bytes)
+        return host_budget(self.pinned_bytes) - sum(p.size for p in self._pending)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -430,6 +435,8 @@ class HostPool:
         self._largest_before, self._largest = self._largest, 0
         self._step += 1
         self._adopt()
+        for pin in self._pending:        # the requests that claimed them were answered
+            pin.claimed = 0
         keep = self._reserved + (self._reserved >> 5)     # as reserve pins it: no churn
         self._reserved = 0
         for slab in self.slabs[::-1]:

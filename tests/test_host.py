@@ -287,6 +287,30 @@ def test_the_budget_follows_the_cgroup_and_the_local_ranks(monkeypatch):
     pool.close()
 
 
+def test_a_burst_of_pins_under_way_cannot_overrun_the_host(monkeypatch):
+    """Pins held in flight have not yet taken their bytes from what the host reports free: the
+    budget counts them anyway, so asking for far more than the host has pins at most its share."""
+    device = SimulatedDevice(pin_threads=2)
+    monkeypatch.setattr(host_module.psutil, "virtual_memory",
+                        lambda: types.SimpleNamespace(available=100 * MiB - device.pinned_total))
+    monkeypatch.setattr(host_module, "cgroup_available", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    pool = HostPool(device, chunk_min=4 * MiB, chunk_max=4 * MiB)
+    pool.new_step()
+    device.pin_gate.clear()
+    try:
+        with lmsrt_warnings():
+            pool.reserve(1 << 30)
+            for _ in range(100):
+                pool.alloc(MiB)
+        assert 0 < pool.pinned_bytes <= 80 * MiB and pool.pins_in_flight > 0
+    finally:
+        device.pin_gate.set()
+    _until(lambda: pool.pins_in_flight == 0)
+    assert device.pinned_total <= 80 * MiB
+    pool.close()
+
+
 def test_a_failed_background_pin_degrades_with_one_warning():
     device = SimulatedDevice(pin_threads=2, pin_limit=3 * MiB)
     pool = HostPool(device, budget=1 << 40, chunk_min=2 * MiB, chunk_max=2 * MiB)
