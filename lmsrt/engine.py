@@ -71,7 +71,7 @@ from typing import List, Optional
 
 import torch
 
-from ._timeline import format_bytes
+from .units import format_bytes
 from .config import LMSConfig
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
@@ -432,6 +432,11 @@ class SwapEngine:
         s.host_pinned_bytes = self.host.pinned_bytes
         s.host_peak_bytes = self.host.peak_used
         s.host_refused = self.host.refused
+        s.host_pin_s = self.host.pin_seconds
+        s.host_pin_wait_s = self.host.pin_wait_seconds
+        s.host_lagged = self.host.lagged
+        s.host_given_back_bytes = self.host.given_back_bytes
+        s.host_pins_in_flight = self.host.pins_in_flight
         self.host.refused = 0
         self.host.peak_used = self.host.used_bytes
         self._collect_waits(s)
@@ -458,6 +463,11 @@ class SwapEngine:
             s.host_pinned_bytes = self.host.pinned_bytes
             s.host_peak_bytes = self.host.peak_used
             s.host_refused = self.host.refused
+            s.host_pin_s = self.host.pin_seconds
+            s.host_pin_wait_s = self.host.pin_wait_seconds
+            s.host_lagged = self.host.lagged
+            s.host_given_back_bytes = self.host.given_back_bytes
+            s.host_pins_in_flight = self.host.pins_in_flight
             self._collect_waits(s)
         return s
 
@@ -629,7 +639,9 @@ class SwapEngine:
                   version: int) -> Optional[_Storage]:
         key = self.device.stream_key()
         stream = self.compute if key == self._compute_key else self.device.stream_of(key)
-        slot = self.host.alloc(nbytes)
+        # A planned swap, or one the learning step must make, waits for a pin under way rather
+        # than leave the tensor on the GPU (host.py, NOTE [ Pinning ]).
+        slot = self.host.alloc(nbytes, wait=self.plan.planned or self.policy.learning)
         if slot is None:
             return None
         order = self._order

@@ -188,8 +188,11 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     # Well under the bound with something offloaded: plan for half the unused room less.
     policy.finish_step(plan, peak=400, **followed)
     assert policy.correction == 60 - 100
-    # Allocator retries raise the headroom; clean steps give it back down to the floor.
+    # Allocator retries far under the bound are the cache filling up; near it they raise the
+    # headroom. Clean steps give it back, down to the floor.
     policy.finish_step(plan, peak=0, **dict(followed, retries=2))
+    assert policy.headroom == limit >> 4
+    policy.finish_step(plan, peak=policy.bound - 1, **dict(followed, retries=2))
     raised = policy.headroom
     assert raised > limit >> 4
     policy.correction = -(limit >> 2)           # nothing left to take from the correction
