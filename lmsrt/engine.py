@@ -639,9 +639,9 @@ class SwapEngine:
                   version: int) -> Optional[_Storage]:
         key = self.device.stream_key()
         stream = self.compute if key == self._compute_key else self.device.stream_of(key)
-        # A planned swap, or one the learning step must make, waits for a pin under way rather
-        # than leave the tensor on the GPU (host.py, NOTE [ Pinning ]).
-        slot = self.host.alloc(nbytes, wait=self.plan.planned or self.policy.learning)
+        # A swap the policy decided waits for a pin under way rather than leave the tensor on
+        # the GPU, where it was meant not to be (host.py, NOTE [ Pinning ]).
+        slot = self.host.alloc(nbytes, wait=True)
         if slot is None:
             return None
         order = self._order

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import lmsrt
+from lmsrt.policy import FixedPolicy
 from lmsrt import engine as engine_module
 from models import (DEVICES, assert_same, make_lms, mlp, run_threads, torch_device, train_step,
                     transformer)
@@ -613,7 +614,7 @@ def test_side_stream_forward_gives_exact_gradients_cuda(lms_frac, copy_path, mon
     ref = _side_stream_step(W)
     cap = torch.cuda.memory_allocated() + (256 << 20)
     lms = lmsrt.LMS(lms=1, lms_frac=lms_frac, device="cuda")
-    lms._engine.mark = int(lms_frac * cap)          # a mark this small workload can cross
+    lms._engine.policy = FixedPolicy(lms_frac, cap, 1 << 30)   # a mark this workload can cross
     for _ in range(5):
         assert torch.equal(ref, _side_stream_step(W, lms))
     assert lms.stats()["total"]["out_tensors"] > 0 or lms_frac > 0
