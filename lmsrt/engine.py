@@ -639,9 +639,15 @@ class SwapEngine:
                   version: int) -> Optional[_Storage]:
         key = self.device.stream_key()
         stream = self.compute if key == self._compute_key else self.device.stream_of(key)
-        # A swap the policy decided waits for a pin under way rather than leave the tensor on
-        # the GPU, where it was meant not to be (host.py, NOTE [ Pinning ]).
-        slot = self.host.alloc(nbytes, wait=True)
+        # A swap waits for a pin under way where keeping the tensor would undo what the policy
+        # counts on: a planned step, a learning one (its profile would take the tensor for the
+        # model's own use), or use within 1/8 of the limit. Elsewhere the tensor stays on the
+        # GPU while its pin runs, and the first step does not stall on pinning (host.py,
+        # NOTE [ Pinning ]).
+        limit = self.limit
+        wait = (self.plan.planned or self.policy.learning
+                or self._use_read + self._use_delta > limit - (limit >> 3))   # no new reading
+        slot = self.host.alloc(nbytes, wait=wait)
         if slot is None:
             return None
         order = self._order

@@ -210,6 +210,7 @@ class _Pinner:
     def pin(self, pin: _Pin) -> None:
         if not self.max_threads:
             self._make(pin)
+            pin.finished = True
             self.done.append(pin)
             return
         self._queue(pin)
@@ -245,6 +246,9 @@ class _Pinner:
             if isinstance(job, _Pin):
                 self._make(job)
                 with self.cond:
+                    # Finished only once adoptable: a waiter that saw it finished before it
+                    # was in ``done`` would find no slab and start another pin.
+                    job.finished = True
                     self.in_flight -= 1
                     if self.stopped:
                         job.tensor = None
@@ -265,7 +269,6 @@ class _Pinner:
         except Exception as e:       # noqa: BLE001 - any failure keeps tensors on the GPU
             pin.error = e
         pin.seconds = time.perf_counter() - start
-        pin.finished = True
 
     def wait(self, pin: _Pin) -> None:
         with self.cond:
