@@ -471,6 +471,8 @@ class HostPool:
                 return
             roomy = True
             short -= pin.size
+            if self._pin_cap is not None:
+                break            # pinning failed before: one try a step, not a burst of them
 
     # -- growth ------------------------------------------------------------------------------
 

@@ -28,7 +28,10 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      point. Less what lmsrt held then (sources in flight, restored copies not yet used), that is
      the model's own use at the point and its peak in the interval before it, relative to use
      when the step began: a ``Profile``. It also notes at which backward point each storage was
-     used for the last time.
+     used for the last time. The first learning step lets a tensor whose pin is still under
+     way stay on the GPU (the run's first step must not stall on pinning); if any did, the
+     profile would count them as the model's own, so the next step learns again, by then with
+     the pool pinned.
   2. Plan. A storage the plan keeps on the GPU occupies its bytes from its save to its last use
      in backward. The predicted peak of each interval is the model's own peak there plus the
      kept storages alive then; it must stay under the bound, the limit less the headroom,
@@ -79,6 +82,7 @@ class FixedPolicy:
 
     auto = False
     learning = False
+    may_lag = True            # a tensor may stay on the GPU while its pin runs
     recording = None          # records no profile
 
     def __init__(self, lms_frac: float, limit: int, window: int):
@@ -117,7 +121,8 @@ class FixedPolicy:
         return self.mark
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
+                    swapped: int, beyond_plan: int, peak: int, retries: int,
+                    lagged: int = 0) -> None:
         """NOTE [ Fixed mark ]."""
         self._first = False
         mark = self.mark
@@ -196,6 +201,7 @@ class AutoPolicy:
         self.correction = 0            # how far the profile over- (-) or under- (+) predicts
         self.profile: Optional[Profile] = None
         self.learning = True           # this step records a profile
+        self.may_lag = True            # ... and may leave tensors on the GPU while pins run
         self._recording: Optional[Profile] = None
         self._since_learnt = 0
         self._clean = 0
@@ -313,10 +319,18 @@ class AutoPolicy:
     # -- after a step ------------------------------------------------------------------------
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
+                    swapped: int, beyond_plan: int, peak: int, retries: int,
+                    lagged: int = 0) -> None:
         if self.learning:
             prof = self._recording
             self._recording = None
+            if lagged and self.may_lag:
+                # Tensors stayed on the GPU while their pins ran: learn again, without lag.
+                self.may_lag = False
+                plan.set_target(swapped)
+                self.why = (f"{lagged} tensor(s) stayed on the GPU while their host memory was "
+                            "pinned: learning again with the pool pinned")
+                return
             self.learning = False
             self._since_learnt = 0
             if prof is not None and prof.sizes and len(prof.sizes) == len(plan.recorded):
@@ -330,7 +344,10 @@ class AutoPolicy:
             return
         self._since_learnt += 1
         limit, bound, gib = self.limit, self.bound, 2**30
-        if retries and peak > bound - self.headroom:
+        # A plan that predicted a peak over the bound moves all it can already: what is left is
+        # the model's own, and neither more headroom nor more correction would change it.
+        beyond = self.predicted_peak > bound
+        if retries and peak > bound - self.headroom and not beyond:
             # The allocator freed its cache to go on (a device sync) near the bound: leave it
             # more room. Retries far under the bound are the cache filling up, not pressure
             # lmsrt makes (measured: two a step at 14.3 GiB of an 18 GiB cap on an LM).
@@ -339,10 +356,17 @@ class AutoPolicy:
             self.why = (f"the allocator freed its cache {retries} time(s) to go on near the "
                         f"bound: headroom raised to {self.headroom / gib:.2f} GiB")
         if peak > bound:
-            self.correction += peak - bound
+            # Correct by what the prediction missed, not by the distance to the bound.
+            missed = peak - max(self.predicted_peak, bound)
             self._clean = 0
-            self.why = (f"the step's peak, {peak / gib:.2f} GiB, passed the bound: planning for "
-                        f"{self.correction / gib:+.2f} GiB more than learnt")
+            if missed > 0:
+                self.correction += missed
+                self.why = (f"the step's peak, {peak / gib:.2f} GiB, passed the bound and the "
+                            f"prediction: planning for {self.correction / gib:+.2f} GiB more "
+                            "than learnt")
+            else:
+                self.why = (f"the model's own peak, {peak / gib:.2f} GiB, is over the bound: "
+                            "every eligible storage moves")
         elif followed:
             self._clean += 1
             room = bound - peak
@@ -358,6 +382,7 @@ class AutoPolicy:
                 self.why = f"clean steps: headroom given back to {self.headroom / gib:.2f} GiB"
         if not followed and self._since_learnt >= _RELEARN:
             self.learning = True        # the sequence changed: learn it again
+            self.may_lag = False
             self.why = "the sequence of saved tensors changed: learning it again"
         if self.profile is None:
             plan.set_target(swapped)
