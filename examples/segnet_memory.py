@@ -12,7 +12,7 @@ prints the answer: where the bytes go, what Caffe's line leaves out, and what LM
     PYTHONPATH=. python examples/segnet_memory.py --table --html segnet_b.html
 
 Without a GPU the nets run on the meta device: shapes, saved bytes and parameters are exact, the
-peak is the model of NOTE [ The predicted peak ] in lmsrt/report.py.
+peak is the model of NOTE [ The predicted peak ] in lmsrt/profiler/report.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lmsrt
-from lmsrt.report import MemoryReport, format_bytes
+from lmsrt.profiler import MemoryReport
+from lmsrt.units import format_bytes
 
 GB8 = 8e9 / 2**30      # "8 GB" as a card's box says it, in GiB
 

@@ -14,7 +14,7 @@ Example::
 """
 from .config import LMSConfig
 from .lms import LMS
-from .report import memory_report
+from .profiler import memory_report
 
 __all__ = ["LMS", "LMSConfig", "memory_report", "__version__"]
 __version__ = "0.1.0"

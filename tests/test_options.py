@@ -7,11 +7,12 @@ import pytest
 from click.testing import CliRunner
 
 import lmsrt
-from lmsrt import _timeline, units
+from lmsrt import units
 from lmsrt._cli import main
 from lmsrt._cli import run as run_cli
 from lmsrt.config import ENV_VARS, LMSConfig
 from lmsrt.options import AUTO, OPTIONS, env_value, format_setting, spelled
+from lmsrt.profiler import render
 from test_cli import clean_env, write
 
 # A value other than the default for each setting, as Python takes it.
@@ -93,7 +94,7 @@ def test_spelled():
 
 
 def test_format_bytes_has_one_home():
-    assert _timeline.format_bytes is units.format_bytes
+    assert render.format_bytes is units.format_bytes
     assert units.format_bytes(3 * units.GiB // 2) == "1.50 GiB"
 
 

@@ -15,9 +15,10 @@ from torch import nn
 
 import lmsrt
 from lmsrt._cli import main
-from lmsrt._recorder import OUTSIDE, StepRecorder
 from lmsrt.device import SimulatedDevice
-from lmsrt.report import GiB, build_report, format_bytes, headroom
+from lmsrt.profiler.recorder import OUTSIDE, StepRecorder
+from lmsrt.profiler.report import build_report, headroom
+from lmsrt.units import GiB, format_bytes
 
 from models import transformer
 

@@ -17,12 +17,12 @@ from typing import List, Optional, Sequence, Tuple
 import click
 import torch
 
-from .. import _launch, _timeline
+from .. import _launch
 from .._output import check_output_file, write_atomic
-from .._recorder import StepDone, StepRecorder
 from .._script import run_script
-from .._timeline import MATPLOTLIB_MISSING
-from ..report import build_report
+from ..profiler import render
+from ..profiler.recorder import StepDone, StepRecorder
+from ..profiler.report import build_report
 from ._types import Number
 
 __all__ = ["command"]
@@ -98,11 +98,11 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     if png:
         data = report.png_bytes()
         if data is None:
-            click.echo(f"lmsrt: {MATPLOTLIB_MISSING}", err=True)
+            click.echo(f"lmsrt: {render.MATPLOTLIB_MISSING}", err=True)
         else:
             outputs.append((png, "the timeline", data))
     if html:
-        outputs.append((html, "the report", _timeline.html(report).encode()))
+        outputs.append((html, "the report", render.html(report).encode()))
     for path, what, data in outputs:
         try:
             write_atomic(path, lambda f: f.write(data), binary=True)

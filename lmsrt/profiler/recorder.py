@@ -37,7 +37,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 from torch.utils._pytree import tree_leaves
 
-from .device import CudaDevice, SimulatedDevice
+from ..device import CudaDevice, SimulatedDevice
 
 __all__ = ["StepRecorder", "ModuleStats", "Sample", "StepDone", "OUTSIDE"]
 

@@ -5,8 +5,8 @@ in forward order (output shape, bytes saved for backward, parameters, gradients,
 state, transient peak), the step's peak and where it happens, the largest single-layer working
 set, and for a GPU size a verdict: fits, or how many bytes LMS must move and the ``lms`` /
 ``lms_frac`` to start with. ``lmsrt profile`` makes the same report for one step of a script.
-The measuring is in ``_recorder.py`` (NOTE [ Where memory is attributed ]); the PNG and HTML
-in ``_timeline.py``.
+The measuring is in ``recorder.py`` (NOTE [ Where memory is attributed ]); the text, the PNG and
+the HTML in ``render.py``.
 
 NOTE [ The predicted peak ]
   predicted = max(turn, optimizer step), where
@@ -33,11 +33,11 @@ from typing import Callable, List, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import _timeline
-from ._recorder import ModuleStats, Sample, StepRecorder
-from .units import GiB, format_bytes
+from ..units import GiB, MiB, format_bytes
+from . import render
+from .recorder import ModuleStats, Sample, StepRecorder
 
-__all__ = ["memory_report", "MemoryReport", "ModuleRow", "Verdict", "format_bytes", "headroom"]
+__all__ = ["memory_report", "MemoryReport", "ModuleRow", "Verdict", "build_report", "headroom"]
 
 _LMS_KB = 1000          # Caffe LMS's customary threshold; lowered only when big tensors are few
 
@@ -48,9 +48,9 @@ def headroom(gpu_size: int) -> int:
 
     Example::
 
-        headroom(8 * 2**30)     # 666 MiB of an 8 GiB GPU
+        headroom(8 * GiB)       # 666 MiB of an 8 GiB GPU
     """
-    return int(min(0.10 * gpu_size, 256 * 2**20 + 0.05 * gpu_size))
+    return int(min(0.10 * gpu_size, 256 * MiB + 0.05 * gpu_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,14 +266,14 @@ class MemoryReport:
 
     def format(self) -> str:
         """The report as text: the table, the totals, the peaks and the verdict."""
-        return _timeline.format_text(self)
+        return render.format_text(self)
 
     def __str__(self) -> str:
         return self.format()
 
     def png_bytes(self) -> Optional[bytes]:
         """The memory timeline as a PNG, or None when matplotlib is not installed."""
-        return _timeline.png_bytes(self)
+        return render.png_bytes(self)
 
     def save_png(self, path: str) -> bool:
         """Write the timeline PNG; False (and nothing written) when matplotlib is missing."""
@@ -287,7 +287,7 @@ class MemoryReport:
     def save_html(self, path: str) -> None:
         """Write the report as one self-contained HTML page (table and embedded timeline)."""
         with open(path, "w", encoding="utf-8") as f:
-            f.write(_timeline.html(self))
+            f.write(render.html(self))
 
 
 def _choose_lms_kb(sizes: List[int], need: int) -> Optional[int]:
@@ -327,7 +327,7 @@ def build_report(rec: StepRecorder, title: str, gpu_size: Optional[float] = None
     if not rec.measured:
         notes.append(f"ESTIMATE: ran on {device}, not a GPU. Saved bytes, parameters and shapes "
                      "are exact; transients and the peak are modelled (NOTE [ The predicted "
-                     "peak ] in lmsrt/report.py). Run on a GPU for measured figures.")
+                     "peak ] in lmsrt/profiler/report.py). Run on a GPU for measured figures.")
     return MemoryReport(
         title=title, device=device, measured=rec.measured, step=rec.step,
         rows=[ModuleRow.from_stats(s) for s in rec.modules()],

@@ -6,9 +6,9 @@ import html as _html
 import io
 from typing import TYPE_CHECKING, List, Optional
 
-from .units import GiB, MiB, format_bytes
+from ..units import GiB, MiB, format_bytes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:       # for the annotations only: report.py imports this module to show itself
     from .report import MemoryReport
 
 __all__ = ["format_text", "summary_lines", "png_bytes", "html",

@@ -1,0 +1,15 @@
+"""Where the GPU memory of a training step goes: ``lmsrt.memory_report`` and ``lmsrt profile``.
+
+``recorder.py`` measures one step, module by module (hooks only, no LMS); ``report.py`` turns
+what it measured into a ``MemoryReport`` with a predicted peak and a verdict; ``render.py`` shows
+a report as text, a PNG timeline and an HTML page. It uses the runtime core (device.py), never the reverse.
+
+Example::
+
+    report = lmsrt.memory_report(model, x, optimizer=opt, gpu_size=8)
+    print(report)
+"""
+from .report import MemoryReport, build_report, memory_report
+from .recorder import StepDone, StepRecorder
+
+__all__ = ["MemoryReport", "StepDone", "StepRecorder", "build_report", "memory_report"]
