@@ -17,11 +17,11 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-import lmsrt._launch
+import lmsrt.launch.session
 from lmsrt import arena
 from lmsrt._cli import main
-from lmsrt._cli.run import BOOTSTRAP_DIR
-from lmsrt._output import check_output_file, write_atomic
+from lmsrt.launch.output import check_output_file, write_atomic
+from lmsrt.launch.session import BOOTSTRAP_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def test_stats_write_that_fails_keeps_the_old_file_and_fails_the_run(tmp_path, m
         f.write('{"enabled": tr')
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(lmsrt._launch.json, "dump", half_then_disk_full)
+    monkeypatch.setattr(lmsrt.launch.session.json, "dump", half_then_disk_full)
     script = write(tmp_path / "mlp.py", MLP_SCRIPT)
     result = invoke("run", "--lms", "1", "--lms-frac", "0", "--stats", str(stats), script, "2")
     assert result.exit_code == 1, result.output          # the script's 0 would claim stats
@@ -307,7 +307,7 @@ def test_stats_path_refused_in_a_worker(tmp_path):
     os.mkfifo(tmp_path / "stats.json.rank1")
     env = clean_env(LMSRT_STATS=str(tmp_path / "stats.json"), RANK="1")
     with pytest.raises(ValueError, match=r"--stats .*stats.json.rank1 is a FIFO"):
-        lmsrt._launch.start(env)
+        lmsrt.launch.session.start(env)
 
 
 # Trains 2 steps, then waits to be killed; says where it is on stdout.
@@ -475,7 +475,7 @@ CHILD_SCRIPT = MLP_SCRIPT + textwrap.dedent("""
     import json, os, sitecustomize
     print("SEEN=" + json.dumps({"user": os.environ.get("USER_SITECUSTOMIZE"),
                                 "module": getattr(sitecustomize, "MARKER", None),
-                                "lmsrt": "lmsrt._launch" in sys.modules}))
+                                "lmsrt": "lmsrt.launch.session" in sys.modules}))
 """)
 
 # Makes LMSRT_LAUNCHER_PID this process's pid, then becomes the child script: what the launcher

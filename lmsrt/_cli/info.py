@@ -101,7 +101,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     import torch
 
     from .. import __version__, arena, copy_path
-    from .._launch import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
+    from ..launch.session import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
     from ..config import ENV_VARS
 
     cuda = torch.cuda.is_available()

@@ -7,7 +7,7 @@ per-module table, peak and where it happens, the largest layer, and whether the 
 or what LMS settings to start with. A script that fails ends as under python: its traceback (the
 frames of lmsrt and runpy left out), the message of ``sys.exit("...")``, its exit status, 130
 after Ctrl-C; the report then says where in the step it failed. Output files are checked before
-the script starts and written whole (NOTE [ Output files ] in ``lmsrt._output``).
+the script starts and written whole (NOTE [ Output files ] in ``lmsrt.launch.output``).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import List, Optional, Sequence, Tuple
 import click
 import torch
 
-from .. import _launch
-from .._output import check_output_file, write_atomic
-from .._script import run_script
+from ..launch.output import check_output_file, write_atomic
+from ..launch.script import run_script
+from ..launch.session import check_gpu_limit
 from ..profiler import render
 from ..profiler.recorder import StepDone, StepRecorder
 from ..profiler.report import build_report
@@ -125,7 +125,7 @@ def _apply_gpu_limit(limit_gb: float) -> None:
                    f"{limit_gb:g} GiB instead.", err=True)
         return
     try:
-        fraction = _launch.check_gpu_limit(limit_gb)
+        fraction = check_gpu_limit(limit_gb)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--gpu-limit'") from None
     if fraction is not None:

@@ -3,8 +3,8 @@
 One process: the script runs here through runpy, as ``python script.py`` would run it, with LMS
 active on the main thread from its first line to its last. With any torchrun option (say
 ``--nproc-per-node 2``) this process becomes ``python -m torch.distributed.run``, and each worker
-enables LMS at start through the bootstrap in ``_bootstrap/sitecustomize.py``; the settings travel
-in ``LMSRT_*`` environment variables (see ``lmsrt._launch``).
+enables LMS at start through the bootstrap in ``lmsrt/launch/bootstrap/sitecustomize.py``; the
+settings travel in ``LMSRT_*`` environment variables (see ``lmsrt.launch.session``).
 """
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import click
 
-from .. import _launch
-from .._output import check_output_file
-from .._script import run_script
+from ..launch.session import (BOOTSTRAP_DIR, ENV_ACTIVE, ENV_BOOTSTRAP, ENV_GPU_LIMIT,
+                              ENV_LAUNCHER_PID, ENV_STATS, check_environment, check_gpu_limit,
+                              start)
+from ..launch.output import check_output_file
+from ..launch.script import run_script
 from ..options import OPTIONS, env_value
 from ._types import Choice, Number, setting_options, settings_given
 
 __all__ = ["command"]
-
-BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-
 
 def _nproc_available(value: str) -> Optional[str]:
     if value in ("gpu", "xpu"):
@@ -173,7 +172,7 @@ def command(gpu_limit: Optional[float], stats: Optional[str], as_module: bool,
     _check_target(target, as_module)
     settings = settings_given(options)
     try:
-        _launch.check_environment(lms_overrides=settings)
+        check_environment(lms_overrides=settings)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     stats_path = None
@@ -216,7 +215,7 @@ def _gpu_limit_applies(limit_gb: float) -> bool:
                    err=True)
         return False
     try:
-        _launch.check_gpu_limit(limit_gb)
+        check_gpu_limit(limit_gb)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--gpu-limit'") from None
     return True
@@ -245,12 +244,12 @@ def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module
     for name, value in settings.items():
         env[OPTIONS[name].env] = env_value(value)
     if stats_path:
-        env[_launch.ENV_STATS] = stats_path
+        env[ENV_STATS] = stats_path
     if gpu_limit is not None:
-        env[_launch.ENV_GPU_LIMIT] = repr(gpu_limit)
-    env[_launch.ENV_BOOTSTRAP] = "1"
-    env[_launch.ENV_LAUNCHER_PID] = str(os.getpid())
-    env.pop(_launch.ENV_ACTIVE, None)   # a launch from inside an lmsrt run script starts afresh
+        env[ENV_GPU_LIMIT] = repr(gpu_limit)
+    env[ENV_BOOTSTRAP] = "1"
+    env[ENV_LAUNCHER_PID] = str(os.getpid())
+    env.pop(ENV_ACTIVE, None)   # a launch from inside an lmsrt run script starts afresh
     env["PYTHONPATH"] = os.pathsep.join(p for p in (BOOTSTRAP_DIR, env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "torch.distributed.run", *forwarded,
             *(["-m"] if as_module else []), target, *args]
@@ -262,10 +261,9 @@ def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module
 def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str, object],
               stats_path: Optional[str], gpu_limit: Optional[float]) -> int:
     """Run the script in this process with LMS on; return its exit status."""
-    saved_active = os.environ.get(_launch.ENV_ACTIVE)
+    saved_active = os.environ.get(ENV_ACTIVE)
     try:
-        session = _launch.start(lms_overrides=settings, stats_path=stats_path,
-                                gpu_limit_gb=gpu_limit)
+        session = start(lms_overrides=settings, stats_path=stats_path, gpu_limit_gb=gpu_limit)
     except ValueError as e:   # e.g. a bad LMSRT_* variable in the environment
         raise click.UsageError(f"{e}") from None
     status = 1
@@ -275,7 +273,7 @@ def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str,
         if not session.finish() and status == 0:
             status = 1       # asked for stats and got none: no success to report
         if saved_active is None:
-            os.environ.pop(_launch.ENV_ACTIVE, None)
+            os.environ.pop(ENV_ACTIVE, None)
         else:
-            os.environ[_launch.ENV_ACTIVE] = saved_active
+            os.environ[ENV_ACTIVE] = saved_active
     return status

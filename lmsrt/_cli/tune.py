@@ -4,7 +4,7 @@ IBM's LMS tuning guide said: start at ``-lms 1000 -lms_frac 0.0``, raise ``-lms`
 goes, then raise ``-lms_frac`` step by step until memory runs out. This does it for the user,
 starting from ``--lms-frac auto`` (the engine finds the fraction) and saying whether any fixed
 fraction beats it: each trial is the unmodified script under ``lmsrt run`` in a fresh process,
-stopped after ``--steps`` steps; the search and the trials live in ``lmsrt.tuning`` (see
+stopped after ``--steps`` steps; the search and the trials live in ``lmsrt.launch.tuning`` (see
 NOTE [ Tuning search ] there). This module parses the options, shows the trials as they go and
 writes what they found.
 """
@@ -17,10 +17,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
+from ..launch.tuning import (BISECT_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
+                             compare_auto, pareto_front, reference_lms, run_command, write_plot,
+                             write_results)
 from ..options import AUTO, OPTIONS, format_setting, setting_range
-from ..tuning import (BISECT_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
-                      compare_auto, pareto_front, reference_lms, run_command, write_plot,
-                      write_results)
 from ..units import format_bytes
 from ._types import Number
 

@@ -3,13 +3,14 @@
 LMS is enabled on the main thread before the script starts and stays active until it ends (the
 engine finds the step boundaries itself); the GPU cap is applied first, since LMS reads the memory
 it may use when it is created; at exit the stats go to a JSON file and the summary to stderr. The
-stats file is checked before anything starts and written whole or not at all (``lmsrt._output``).
+stats file is checked before anything starts and written whole or not at all (``output.py``).
 SIGTERM ends the script as ``sys.exit(143)`` would, so that its ``finally`` blocks run and the
 stats are written, with the status a shell reports for a process SIGTERM killed (128 + 15).
 
 ``lmsrt run`` calls ``start()`` in its own process for a single-process run. For a torchrun run,
 each worker calls ``start()`` from the bootstrap ``sitecustomize`` that the launcher puts first on
-the workers' PYTHONPATH (``lmsrt/_cli/_bootstrap``), with everything passed in the environment:
+the workers' PYTHONPATH (``BOOTSTRAP_DIR``: ``bootstrap/`` beside this file), with everything
+passed in the environment:
 
     LMSRT_LMS, LMSRT_LMS_FRAC, ...   the LMS settings (``lmsrt.options.OPTIONS``)
     LMSRT_STATS                      JSON stats file; rank r > 0 writes ``FILE.rank{r}``
@@ -22,7 +23,7 @@ the workers' PYTHONPATH (``lmsrt/_cli/_bootstrap``), with everything passed in t
 
 Example (what the bootstrap does)::
 
-    session = lmsrt._launch.start()      # reads the variables above
+    session = lmsrt.launch.session.start()     # reads the variables above
     atexit.register(session.finish)
 """
 from __future__ import annotations
@@ -38,11 +39,13 @@ import time
 import warnings
 from typing import Dict, List, Mapping, Optional
 
-from ._output import check_output_file, write_atomic
+from ..options import OPTIONS
+from ..units import GiB
+from .output import check_output_file, write_atomic
 
-__all__ = ["ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS", "ENV_BOOTSTRAP",
-           "ENV_LAUNCHER_PID", "Session", "StepClock", "check_environment", "check_gpu_limit",
-           "start", "stats_path_for_rank"]
+__all__ = ["BOOTSTRAP_DIR", "ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS",
+           "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID", "Session", "StepClock", "check_environment",
+           "check_gpu_limit", "start", "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
 ENV_STATS = "LMSRT_STATS"
@@ -50,6 +53,10 @@ ENV_GPU_LIMIT = "LMSRT_GPU_LIMIT_GB"
 ENV_MAX_STEPS = "LMSRT_MAX_STEPS"
 ENV_BOOTSTRAP = "LMSRT_BOOTSTRAP"
 ENV_LAUNCHER_PID = "LMSRT_LAUNCHER_PID"
+
+# Put first on the PYTHONPATH of torchrun's workers: holds only the sitecustomize.py that starts
+# a session in each of them. A directory of files, never imported as a package.
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 # Steps left out of the median step time: the first ones pin host slabs, autotune kernels and
 # record the plan, and are slower than every step after.
@@ -205,10 +212,10 @@ def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[fl
         return None
     index = torch.cuda.current_device() if index is None else index
     total = torch.cuda.get_device_properties(index).total_memory
-    if limit_gb * 2**30 > total:
-        raise ValueError(f"{limit_gb:g} GiB is more than GPU {index} has ({total / 2**30:.2f} "
-                         f"GiB); give at most {total / 2**30:.2f}, or leave --gpu-limit out")
-    return limit_gb * 2**30 / total
+    if limit_gb * GiB > total:
+        raise ValueError(f"{limit_gb:g} GiB is more than GPU {index} has ({total / GiB:.2f} "
+                         f"GiB); give at most {total / GiB:.2f}, or leave --gpu-limit out")
+    return limit_gb * GiB / total
 
 
 def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optional[dict] = None,
@@ -227,7 +234,7 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
     """
     import torch
 
-    from .lms import LMS
+    from ..lms import LMS
 
     environ = os.environ if environ is None else environ
     max_steps = _max_steps(environ)
@@ -240,13 +247,14 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
             raise ValueError(f"--stats {e}") from None
     overrides = dict(lms_overrides or {})
     local_rank = environ.get("LOCAL_RANK")
-    if ("device" not in overrides and not environ.get("LMSRT_DEVICE") and local_rank is not None
+    device_env = OPTIONS["device"].env
+    if ("device" not in overrides and not environ.get(device_env) and local_rank is not None
             and int(local_rank) < torch.cuda.device_count()):
         overrides["device"] = f"cuda:{int(local_rank)}"
         # What the script will do anyway; done now, because pinning host memory before the script
         # picks its device would create a CUDA context on GPU 0 in every rank.
         torch.cuda.set_device(int(local_rank))
-    device = overrides.get("device") or environ.get("LMSRT_DEVICE")
+    device = overrides.get("device") or environ.get(device_env)
     if gpu_limit_gb is None:
         gpu_limit_gb = _env_gpu_limit(environ)
     if gpu_limit_gb is not None and device != "sim":
@@ -265,7 +273,7 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     """Raise ValueError, saying what to set instead, for ``LMSRT_*`` variables that ``start()``
     would refuse: what ``lmsrt run`` checks before it hands over to torchrun, whose workers would
     each fail alone."""
-    from .config import LMSConfig
+    from ..config import LMSConfig
 
     environ = os.environ if environ is None else environ
     LMSConfig.from_env(environ, **(lms_overrides or {}))

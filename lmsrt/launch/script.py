@@ -22,7 +22,7 @@ from typing import ContextManager, NamedTuple, Optional, Sequence, Tuple, Type
 __all__ = ["ScriptEnd", "exit_status", "print_script_traceback", "run_script"]
 
 # Frames of these modules above the script's own are left out of its traceback.
-_OWN_FRAMES = ("lmsrt._cli.", "lmsrt._script", "runpy")
+_OWN_FRAMES = ("lmsrt._cli.", __name__, "runpy")
 
 
 class ScriptEnd(NamedTuple):

@@ -3,7 +3,7 @@
 Each trial is one fresh ``python -m lmsrt run --lms L --lms-frac F --stats FILE SCRIPT ARGS``
 process, in a session (process group) of its own, so that an out-of-memory error, a fragmented
 allocator or a stray data-loader worker never reaches the next trial. ``LMSRT_MAX_STEPS`` ends it
-after ``steps`` steps (see ``lmsrt._launch``); its stats file gives the median step time after
+after ``steps`` steps (see ``session.py``); its stats file gives the median step time after
 warm-up, the GPU and pinned host peaks and the bytes swapped per step.
 
 Example::
@@ -45,9 +45,9 @@ import sys
 import time
 from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
-from ._output import check_output_dir, check_output_file, write_atomic
-from .options import AUTO, OPTIONS, format_setting
-from .units import GiB, MiB
+from ..options import AUTO, OPTIONS, format_setting
+from ..units import GiB, MiB
+from .output import check_output_dir, check_output_file, write_atomic
 
 __all__ = ["Trial", "Sweep", "BISECT_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
            "grid_search", "classify", "with_param", "pareto_front", "best_trial", "compare_auto",
@@ -260,7 +260,7 @@ def _read_stats(trial: Trial, path: str, steps: int) -> None:
 
 def check_out_dir(out_dir: str) -> None:
     """Raise ValueError, saying what to give instead, unless a sweep can write all its outputs
-    in ``out_dir`` (created if missing): see NOTE [ Output files ] in ``lmsrt._output``."""
+    in ``out_dir`` (created if missing): see NOTE [ Output files ] in ``output.py``."""
     check_output_dir(out_dir)
     check_output_dir(os.path.join(out_dir, "trials"))
     for name in _OUTPUTS:

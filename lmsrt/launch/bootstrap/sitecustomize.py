@@ -3,9 +3,9 @@
 Python imports the first ``sitecustomize`` module on sys.path while it starts up. ``lmsrt run``
 puts this directory first on PYTHONPATH and hands over to torch.distributed.run, so every worker
 it starts runs this file before the training script: it enables LMS on the worker's main thread
-(``lmsrt._launch.start``, settings from ``LMSRT_*`` variables, device ``cuda:LOCAL_RANK``), makes
-the stats and summary be written at exit, and then runs the ``sitecustomize`` that would have run
-without lmsrt, if there is one.
+(``lmsrt.launch.session.start``, settings from ``LMSRT_*`` variables, device
+``cuda:LOCAL_RANK``), makes the stats and summary be written at exit, and then runs the
+``sitecustomize`` that would have run without lmsrt, if there is one.
 
 Every Python process that inherits the environment imports this file too: the torchrun agent
 (which has the launcher's pid, ``LMSRT_LAUNCHER_PID``) and whatever a worker starts (data loader
@@ -24,14 +24,14 @@ def _should_start(environ, pid: int) -> bool:
 
 def _start_lms() -> None:
     try:
-        import lmsrt._launch as launch
+        import lmsrt.launch.session as launch
     except ImportError:
         # lmsrt is imported from a source tree the worker's sys.path does not hold yet (sys.path[0]
         # is set after this file runs): import it from where this file lives, and only that.
         root = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
         sys.path.insert(0, root)
         try:
-            import lmsrt._launch as launch
+            import lmsrt.launch.session as launch
         finally:
             sys.path.remove(root)
     import atexit
