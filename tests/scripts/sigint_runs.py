@@ -11,9 +11,7 @@ import signal
 import sys
 import time
 
-import torch  # noqa: F401 - imported once, before forking
-
-from lmsrt._cli import main
+from lmsrt._cli import main      # imports torch too: once, before forking
 
 script, runs = sys.argv[1], int(sys.argv[2])
 for i in range(runs):
