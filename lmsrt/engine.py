@@ -65,18 +65,18 @@ from __future__ import annotations
 import collections
 import sys
 import threading
-import warnings
 import weakref
 from typing import List, Optional
 
 import torch
 
-from .units import format_bytes
 from .config import LMSConfig
+from .diagnostics import Diagnostics
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
 from .policy import make_policy
 from .stats import RunStats, StepStats
+from .units import format_bytes
 
 __all__ = ["SwapEngine"]
 
@@ -210,10 +210,6 @@ def _modified_error(kind: str, size, producer, now: int, saved: int, how: str) -
         "modify it only after backward.")
 
 
-def _kind(t: torch.Tensor) -> str:
-    return "nested" if t.is_nested else type(t).__name__
-
-
 def _finish_copies(d2h, h2d) -> None:
     try:
         d2h.synchronize()
@@ -330,7 +326,7 @@ class SwapEngine:
         self._use_age = self._exact_every   # estimates given since that reading
         self._largest = (0, 0)         # (bytes, save index) of this forward's largest storage
         self._retries_before = 0       # the allocator's retry count when this step began
-        self._warned: set = set()      # which one-time warnings were given
+        self.diagnostics = Diagnostics()   # one-time warnings, out-of-memory text
         self.step_listeners: list = []  # called with the step number as each step begins
         self.closed = False
         # An engine dropped without close() (no graph can use it then: a graph holds unpack)
@@ -443,7 +439,7 @@ class SwapEngine:
         s.alloc_retries = self.device.alloc_retries() - self._retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
         if s.alloc_retries and s.mode == "plan" and not self.policy.auto:
-            self._warn_retries(s)
+            self.diagnostics.alloc_retries(s)
         followed = self.plan.finish_step()
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self._forward_end_use, swapped=s.out_bytes,
@@ -539,9 +535,7 @@ class SwapEngine:
         """
         if type(t) is not torch.Tensor or t.is_nested:
             if not isinstance(t, torch.nn.Parameter) and self.device.owns(t):
-                self._warn_once("kind", f"lmsrt: saved tensors of kind {_kind(t)} stay on the "
-                                "GPU: the engine swaps plain strided tensors only. Gradients are "
-                                "unaffected; only the memory they hold is not saved.")
+                self.diagnostics.unswappable(t)
             return None                          # parameters, subclasses, nested tensors
         if not self.device.owns(t):
             return None                          # other devices
@@ -557,10 +551,10 @@ class SwapEngine:
         nbytes = storage.nbytes()
         index = self._index
         self._index += 1
-        if "compile" not in self._warned:
+        if "compile" not in self.diagnostics.given:
             caller = sys._getframe(1).f_back       # what called pack; None on autograd's threads
             if caller is not None and caller.f_code is _FUNCTION_APPLY:
-                self._check_compiled(caller.f_back)
+                self.diagnostics.compiled_region(caller.f_back)
         self.device.note_saved(storage)
         if self._base is None:
             self._begin_plan()
@@ -576,7 +570,8 @@ class SwapEngine:
         """Swap, keep, or keep as alive anyway, the storage saved at forward point ``index``."""
         if nbytes > self._largest[0]:
             self._largest = (nbytes, index)
-        ref = weakref.ref(storage)
+        rec = self._rec
+        ref = weakref.ref(storage) if rec is None else weakref.ref(storage, rec.on_free(index))
         self._use_delta += nbytes
         self._release_finished()
         planned = self.plan.offload(index, nbytes)
@@ -667,10 +662,7 @@ class SwapEngine:
             self.host.free(slot)
             if not isinstance(e, Exception):
                 raise
-            self._warn_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to "
-                            f"host memory failed ({type(e).__name__}: {e}); it stays on the GPU, "
-                            "as will any other whose copy fails, and gradients are unaffected. If "
-                            "the GPU then runs out, the error says what to change.")
+            self.diagnostics.copy_out_failed(nbytes, e)
             return None
         self._held_bytes += nbytes
         self._held.append(s)
@@ -716,6 +708,9 @@ class SwapEngine:
             s.source = None
             self._held_bytes -= s.nbytes
             s.counter = _counter_only(source)   # NOTE [ Interrupts and versions ], c
+            del source
+            if self._rec is not None and s.storage_ref() is not None:
+                self._rec.own_from(s.seq)       # held on by the model: its own use from here
 
     # -- backward: unpack --------------------------------------------------------------------
 
@@ -978,100 +973,14 @@ class SwapEngine:
         self._stale_hooks.discard(thread)
         pop_own_hooks(self)
 
-    # -- what goes wrong ---------------------------------------------------------------------
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-    def _warn_retries(self, s: StepStats) -> None:
-        """Say once that the allocator ran out of room in a planned step. Measured on an H100 with
-        a segmentation net at a 16 GiB cap: two such retries a step made it 2.2x slower than
-        uncapped, with nothing swapped."""
-        self._warn_once("retries", (
-            f"lmsrt: in step {s.step} the CUDA caching allocator ran out of room "
-            f"{s.alloc_retries} time{'s' if s.alloc_retries > 1 else ''} and freed its cache to go "
-            "on. Each time it synchronizes the device, which stalls the copies lmsrt overlaps "
-            "with compute, and cuDNN falls back to slower convolution algorithms when their "
-            "workspace does not fit. A lower lms_frac leaves that room: `lmsrt tune` finds the "
-            "fastest; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True fragments less. "
-            "LMS.stats() counts these retries per step (alloc_retries)."))
-
-    def _check_compiled(self, frame) -> None:
-        """The storage being saved comes from an autograd.Function: say once if that Function is
-        a torch.compile'd region (AOTAutograd's), whose saves arrive only after its forward."""
-        for _ in range(3):
-            if frame is None:
-                return
-            if "_aot_autograd" in frame.f_code.co_filename:
-                break
-            frame = frame.f_back
-        else:
-            return
-        self._warn_once("compile", "lmsrt: a torch.compile'd region saves its tensors for "
-                        "backward all at once after its forward and takes them back all at once "
-                        "when its backward starts, so swapping lowers GPU memory only between "
-                        "compiled regions, never inside one. Gradients are unaffected. To save "
-                        "more, compile smaller regions (each transformer block, say) or leave the "
-                        "largest layers uncompiled.")
+    # -- what goes wrong (its texts: diagnostics.py) -----------------------------------------
 
     def annotate_oom(self, exc: BaseException, where: str) -> None:
-        """Add what lmsrt knows to an out-of-memory error raised while it is active: GPU use,
-        the policy's level, what this step swapped and kept, its largest saved storage, what to
-        change."""
-        if getattr(exc, "_lmsrt_annotated", False):
-            return
-        exc._lmsrt_annotated = True
-        step, cfg, policy = self.step, self.config, self.policy
-        refused = self.host.refused
-        if policy.auto:
-            level = "lms_frac=auto (below)"
-        else:
-            level = f"swapping starts at {format_bytes(policy.mark)} (lms_frac={cfg.lms_frac:g})"
-        largest, largest_index = self._largest
-        lines = [
-            f"lmsrt: out of GPU memory with LMS on, {where}.",
-            f"  GPU: {format_bytes(self.device.memory_allocated())} allocated now, "
-            f"{format_bytes(max(self.device.peak_allocated(), self._step_peak))} peak this step, "
-            f"of {format_bytes(self.limit)} this process may use; {level}.",
-            f"  This step: {format_bytes(step.out_bytes)} swapped out ({step.out_tensors} storages), "
-            f"{format_bytes(step.kept_bytes)} eligible but kept on the GPU; largest "
-            f"saved storage {format_bytes(largest)} (saved {largest_index + 1}"
-            f"{_ordinal(largest_index + 1)} in forward).",
-        ]
-        lines += policy.oom_lines()
-        if refused:
-            lines.append(f"  {refused} saved tensors stayed on the GPU because the host memory "
-                         "budget was reached or pinning failed: raise host_budget_gb "
-                         "(--host-budget-gb, LMSRT_HOST_BUDGET_GB) or free host memory.")
-        if "d2h" in self._warned:
-            lines.append("  Copies to host memory failed (see the warning given then), so those "
-                         "tensors stayed on the GPU.")
-        at_most = policy.auto and policy.learning or not policy.auto and policy.mark == 0
-        if at_most and cfg.min_bytes <= 1 << 20:
-            lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 KB): "
-                         "what is "
-                         "left is one layer's working set, parameters, gradients and optimizer "
-                         "state. Lower the batch size, checkpoint activations "
-                         "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
-                         "layer.")
-        elif policy.auto:
-            lines.append(f"  To fit: lower lms (--lms, now {cfg.lms:g} KB) so smaller tensors go "
-                         "too; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
-                         "fragmentation; or give a fixed lms_frac (--lms-frac 0.5, say) to swap "
-                         "from a mark you choose.")
-        else:
-            lines.append(f"  To fit: lower lms_frac (--lms-frac, now {cfg.lms_frac:g}) so "
-                         f"swapping starts earlier; lower lms (--lms, now {cfg.lms:g} KB) so "
-                         "smaller tensors go too; set "
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
-                         "fragmentation; or run `lmsrt profile` to see the largest layer's "
-                         "working set, below which no offload goes.")
-        message = "\n".join(lines)
-        first = str(exc.args[0]) if exc.args else ""
-        exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])
-
-
-def _ordinal(n: int) -> str:
-    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+        """Add what lmsrt knows to an out-of-memory error raised while it is active
+        (``Diagnostics.annotate_oom``)."""
+        device = self.device
+        self.diagnostics.annotate_oom(
+            exc, where, config=self.config, policy=self.policy, step=self.step,
+            allocated=device.memory_allocated(),
+            peak=max(device.peak_allocated(), self._step_peak), limit=self.limit,
+            largest=self._largest, host_refused=self.host.refused)

@@ -124,10 +124,15 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
 )}
 
 
-def spelled(name: str) -> str:
-    """The ways into a setting outside Python, for messages: ``'--lms-frac, LMSRT_LMS_FRAC'``."""
+def spelled(name: str, value: object = None) -> str:
+    """The ways into a setting outside Python, for messages: ``'--lms-frac, LMSRT_LMS_FRAC'``;
+    with a ``value``, ``'--lms-frac 0.5, LMSRT_LMS_FRAC=0.5'``."""
     option = OPTIONS[name]
-    return ", ".join(way for way in (option.flag, option.env) if way)
+    if value is None:
+        return ", ".join(way for way in (option.flag, option.env) if way)
+    shown = format_setting(value)
+    return ", ".join(way for way in (option.flag and f"{option.flag} {shown}",
+                                     f"{option.env}={shown}") if way)
 
 
 def format_setting(value: object) -> str:

@@ -91,6 +91,8 @@ def torchrun_argv(monkeypatch, *args):
 def test_spelled():
     assert spelled("lms_frac") == "--lms-frac, LMSRT_LMS_FRAC"
     assert spelled("device") == "LMSRT_DEVICE"
+    assert spelled("lms_frac", 0.5) == "--lms-frac 0.5, LMSRT_LMS_FRAC=0.5"
+    assert spelled("device", "sim") == "LMSRT_DEVICE=sim"
 
 
 def test_format_bytes_has_one_home():

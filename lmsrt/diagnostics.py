@@ -1,0 +1,147 @@
+"""What the swap engine tells a user: its one-time warnings and what it adds to an out-of-memory
+error.
+
+The engine keeps one ``Diagnostics`` and calls it where it notices something; the texts live here,
+apart from the mechanism. Each message says what happened, whether gradients are affected, and
+what to change next, naming settings by their flag and variable (``options.spelled``).
+
+Example::
+
+    diagnostics = Diagnostics()
+    diagnostics.alloc_retries(step)           # a RuntimeWarning the first time, then nothing
+    "retries" in diagnostics.given            # True
+    diagnostics.annotate_oom(exc, "in forward", config=..., policy=..., step=..., ...)
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Set, Tuple
+
+import torch
+
+from .config import LMSConfig
+from .options import spelled
+from .stats import StepStats
+from .units import MiB, format_bytes
+
+__all__ = ["Diagnostics"]
+
+
+class Diagnostics:
+    """The one-time warnings an engine has given (``given``: their keys), and the messages it
+    gives."""
+
+    def __init__(self) -> None:
+        self.given: Set[str] = set()
+
+    def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
+        """Warn with ``message`` unless a warning of this ``key`` was given before; ``stacklevel``
+        as for ``warnings.warn``, counted from here."""
+        if key not in self.given:
+            self.given.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+    def unswappable(self, t: torch.Tensor) -> None:
+        """A saved tensor the engine cannot copy as one flat storage stays on the GPU."""
+        kind = "nested" if t.is_nested else type(t).__name__
+        self._warn_once("kind", f"lmsrt: saved tensors of kind {kind} stay on the GPU: the "
+                        "engine swaps plain strided tensors only. Gradients are unaffected; only "
+                        "the memory they hold is not saved.", stacklevel=5)
+
+    def copy_out_failed(self, nbytes: int, e: Exception) -> None:
+        """A copy to host memory raised; the tensor stays on the GPU (engine.py, Rule 7)."""
+        self._warn_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to host "
+                        f"memory failed ({type(e).__name__}: {e}); it stays on the GPU, as will "
+                        "any other whose copy fails, and gradients are unaffected. If the GPU "
+                        "then runs out, the error says what to change.", stacklevel=5)
+
+    def alloc_retries(self, s: StepStats) -> None:
+        """Say once that the allocator ran out of room in a planned step. Measured on an H100 with
+        a segmentation net at a 16 GiB cap: two such retries a step made it 2.2x slower than
+        uncapped, with nothing swapped."""
+        self._warn_once("retries", (
+            f"lmsrt: in step {s.step} the CUDA caching allocator ran out of room "
+            f"{s.alloc_retries} time{'s' if s.alloc_retries > 1 else ''} and freed its cache to go "
+            "on. Each time it synchronizes the device, which stalls the copies lmsrt overlaps "
+            "with compute, and cuDNN falls back to slower convolution algorithms when their "
+            "workspace does not fit. A lower lms_frac leaves that room: `lmsrt tune` finds the "
+            "fastest; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True fragments less. "
+            "LMS.stats() counts these retries per step (alloc_retries)."))
+
+    def compiled_region(self, frame) -> None:
+        """The storage being saved comes from an autograd.Function called from ``frame``: say
+        once if that Function is a torch.compile'd region (AOTAutograd's), whose saves arrive
+        only after its forward."""
+        for _ in range(3):
+            if frame is None:
+                return
+            if "_aot_autograd" in frame.f_code.co_filename:
+                break
+            frame = frame.f_back
+        else:
+            return
+        self._warn_once("compile", "lmsrt: a torch.compile'd region saves its tensors for "
+                        "backward all at once after its forward and takes them back all at once "
+                        "when its backward starts, so swapping lowers GPU memory only between "
+                        "compiled regions, never inside one. Gradients are unaffected. To save "
+                        "more, compile smaller regions (each transformer block, say) or leave "
+                        "the largest layers uncompiled.")
+
+    def annotate_oom(self, exc: BaseException, where: str, *, config: LMSConfig, policy,
+                     step: StepStats, allocated: int, peak: int, limit: int,
+                     largest: Tuple[int, int], host_refused: int) -> None:
+        """Add what lmsrt knows to an out-of-memory error raised while it is active, once: GPU
+        use (``allocated`` now, ``peak`` this step, of ``limit``), the policy's level, what this
+        step swapped and kept, its ``largest`` saved storage (bytes, save index), tensors the
+        host pool refused, and what to change."""
+        if getattr(exc, "_lmsrt_annotated", False):
+            return
+        exc._lmsrt_annotated = True
+        if policy.auto:
+            level = "lms_frac=auto (below)"
+        else:
+            level = (f"swapping starts at {format_bytes(policy.mark)} "
+                     f"(lms_frac={config.lms_frac:g})")
+        largest_bytes, largest_index = largest
+        lines = [
+            f"lmsrt: out of GPU memory with LMS on, {where}.",
+            f"  GPU: {format_bytes(allocated)} allocated now, {format_bytes(peak)} peak this "
+            f"step, of {format_bytes(limit)} this process may use; {level}.",
+            f"  This step: {format_bytes(step.out_bytes)} swapped out ({step.out_tensors} "
+            f"storages), {format_bytes(step.kept_bytes)} eligible but kept on the GPU; largest "
+            f"saved storage {format_bytes(largest_bytes)} (saved {largest_index + 1}"
+            f"{_ordinal(largest_index + 1)} in forward).",
+        ]
+        lines += policy.oom_lines()
+        if host_refused:
+            lines.append(f"  {host_refused} saved tensors stayed on the GPU because the host "
+                         "memory budget was reached or pinning failed: raise host_budget_gb "
+                         f"({spelled('host_budget_gb')}) or free host memory.")
+        if "d2h" in self.given:
+            lines.append("  Copies to host memory failed (see the warning given then), so those "
+                         "tensors stayed on the GPU.")
+        lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KB) so smaller tensors go too"
+        at_most = policy.auto and policy.learning or not policy.auto and policy.mark == 0
+        if at_most and config.min_bytes <= MiB:
+            lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 KB): "
+                         "what is left is one layer's working set, parameters, gradients and "
+                         "optimizer state. Lower the batch size, checkpoint activations "
+                         "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
+                         "layer.")
+        elif policy.auto:
+            lines.append(f"  To fit: {lms}; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                         "against fragmentation; or give a fixed lms_frac "
+                         f"({spelled('lms_frac', 0.5)}, say) to swap from a mark you choose.")
+        else:
+            lines.append(f"  To fit: lower lms_frac ({spelled('lms_frac')}, now "
+                         f"{config.lms_frac:g}) so swapping starts earlier; {lms}; set "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
+                         "fragmentation; or run `lmsrt profile` to see the largest layer's "
+                         "working set, below which no offload goes.")
+        message = "\n".join(lines)
+        first = str(exc.args[0]) if exc.args else ""
+        exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])
+
+
+def _ordinal(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
