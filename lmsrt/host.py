@@ -42,13 +42,15 @@ import torch
 
 from .arena import OffsetAllocator
 from .device import Device
+from .options import spelled
+from .units import GiB, MiB, format_bytes
 
 __all__ = ["HostPool", "HostSlot", "host_budget", "cgroup_available", "local_world_size"]
 
 _ALIGN = 512                  # offsets within a slab (DMA and vector copies)
 _PAGE = 4096                  # slab sizes are whole pages
-_CHUNK_MIN = 64 << 20         # the first chunk lands in ~50 ms
-_CHUNK_MAX = 1 << 30          # growth by an eighth of what is held, at most this much a pin
+_CHUNK_MIN = 64 * MiB         # the first chunk lands in ~50 ms
+_CHUNK_MAX = GiB              # growth by an eighth of what is held, at most this much a pin
 _IDLE_STEPS = 10              # steps a slab sits unused before it is given back
 
 
@@ -497,11 +499,10 @@ class HostPool:
         if size < nbytes or size <= 0:
             self._refuse(nbytes)
             self._warn_once("lmsrt: the host memory budget is reached "
-                            f"({self.pinned_bytes / 2**30:.2f} GiB pinned, "
-                            f"{max(room, 0) / 2**30:.2f} GiB more allowed); saved "
-                            "tensors that do not fit stay on the GPU (said once). Free host "
-                            "memory, or raise host_budget_gb (--host-budget-gb, "
-                            "LMSRT_HOST_BUDGET_GB) if the GPU runs out.")
+                            f"({format_bytes(self.pinned_bytes)} pinned, "
+                            f"{format_bytes(max(room, 0))} more allowed); saved tensors that do "
+                            "not fit stay on the GPU (said once). Free host memory, or raise "
+                            f"host_budget_gb ({spelled('host_budget_gb')}) if the GPU runs out.")
             return None
         pin = _Pin(size)
         self.pinned_bytes += size
@@ -524,11 +525,11 @@ class HostPool:
             else:
                 self.pinned_bytes -= pin.size
                 self._refused_from, self._pin_cap = 0, max(pin.size // 2, _PAGE)
-                self._warn_once(f"lmsrt: pinning {pin.size / 2**30:.2f} GiB of host memory "
+                self._warn_once(f"lmsrt: pinning {format_bytes(pin.size)} of host memory "
                                 f"failed ({pin.error}); saved tensors that do not fit in what is "
                                 "pinned stay on the GPU (said once). Free host memory, or set "
-                                "host_budget_gb (--host-budget-gb, LMSRT_HOST_BUDGET_GB) to what "
-                                "can be pinned.")
+                                f"host_budget_gb ({spelled('host_budget_gb')}) to what can be "
+                                "pinned.")
 
     def _refuse(self, nbytes: int) -> None:
         if self._refused_from is None or nbytes < self._refused_from:

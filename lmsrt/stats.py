@@ -5,9 +5,9 @@ import collections
 import dataclasses
 from typing import Deque, Dict
 
-__all__ = ["StepStats", "RunStats", "format_summary", "HISTORY_STEPS"]
+from .units import GiB
 
-GiB = float(2**30)
+__all__ = ["StepStats", "RunStats", "format_summary", "HISTORY_STEPS"]
 
 
 @dataclasses.dataclass

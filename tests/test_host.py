@@ -22,9 +22,8 @@ import lmsrt
 from lmsrt import host as host_module
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
+from lmsrt.units import GiB, MiB
 from models import assert_same, make_lms, mlp, train_step, transformer
-
-MiB = 1 << 20
 
 
 @contextlib.contextmanager
@@ -400,7 +399,6 @@ def test_the_pinning_benchmark_reads_its_figures_and_prints_its_table():
         spec.loader.exec_module(bench)
     finally:
         sys.path[:] = saved
-    GiB = 1 << 30
     step = dict(pinned_bytes=10 * GiB, peak_used_bytes=9 * GiB, pin_s=2.0, pin_wait_s=0.0,
                 lagged=3, given_back_bytes=0, pins_in_flight=0, slabs=12, out_bytes=9 * GiB,
                 in_bytes=9 * GiB, kept_bytes=0)

@@ -1,7 +1,10 @@
 """The option table (`lmsrt.options`) and every place derived from it; `lms_frac="auto"` accepted
 wherever a setting is given; torchrun's options taken from torchrun's parser."""
+import ast
 import dataclasses
 import json
+import pathlib
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -93,6 +96,33 @@ def test_spelled():
     assert spelled("device") == "LMSRT_DEVICE"
     assert spelled("lms_frac", 0.5) == "--lms-frac 0.5, LMSRT_LMS_FRAC=0.5"
     assert spelled("device", "sim") == "LMSRT_DEVICE=sim"
+
+
+def _message_strings(path: pathlib.Path):
+    """The string constants of a module that are not docstrings, with their lines."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docs]
+
+
+def test_messages_spell_settings_through_the_table():
+    """A message that names a setting's flag or variable takes it from the table (``spelled``,
+    ``OPTIONS[name].flag``/``.env``), so that renaming one cannot leave a message behind. The
+    click commands' help and usage examples (lmsrt/_cli/) are exempt."""
+    ways = [way for option in OPTIONS.values() for way in (option.flag, option.env) if way]
+    found = []
+    for path in sorted(pathlib.Path(lmsrt.__file__).parent.rglob("*.py")):
+        if path.name == "options.py" or "_cli" in path.parts:
+            continue
+        for line, text in _message_strings(path):
+            found += [f"{path.name}:{line}: {way}" for way in ways
+                      if re.search(re.escape(way) + r"(?![-\w])", text)]
+    assert not found, found
 
 
 def test_format_bytes_has_one_home():

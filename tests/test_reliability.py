@@ -29,11 +29,11 @@ from lmsrt import host as host_module
 from lmsrt.device import SimulatedDevice
 from lmsrt.host import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
+from lmsrt.units import GiB
 from models import (DEVICES, assert_same, make_lms, mlp, run_threads, torch_device, train_step,
                     transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
-GiB = 2**30
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 
 import click
 
-from ..units import GiB
+from ..options import OPTIONS, spelled
+from ..units import GiB, MiB
 
 __all__ = ["command", "collect"]
 
@@ -41,7 +42,8 @@ def _driver_version() -> str:
 def _no_gpu_reason(torch) -> str:
     if torch.version.cuda is None:
         return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch to "
-                "swap on a GPU (LMSRT_DEVICE=sim runs lmsrt on a simulated one for tests)")
+                f"swap on a GPU ({spelled('device', 'sim')} runs lmsrt on a simulated one for "
+                "tests)")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
     return (f"torch sees no CUDA device{hint}; check nvidia-smi and the NVIDIA driver, or "
@@ -68,10 +70,10 @@ def _host() -> Dict[str, object]:
             "cgroup_available_bytes": cgroup_available(),
             "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
             "pinned_budget_bytes": host_budget(),
-            "pinned_budget_setting": os.environ.get("LMSRT_HOST_BUDGET_GB") or None}
+            "pinned_budget_setting": os.environ.get(OPTIONS["host_budget_gb"].env) or None}
 
 
-def _bandwidth(torch, nbytes: int = 256 << 20, reps: int = 5) -> Dict[str, float]:
+def _bandwidth(torch, nbytes: int = 256 * MiB, reps: int = 5) -> Dict[str, float]:
     """Pinned host <-> GPU copy speed in GB/s, the median of ``reps`` timed copies each way."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -151,7 +153,7 @@ def format_info(data: Dict[str, object]) -> str:
                          f"{_gib(g['free_bytes'])} free"))
     host = data["host"]
     cgroup = host["cgroup_available_bytes"]
-    budget = (f"{host['pinned_budget_setting']} GiB (LMSRT_HOST_BUDGET_GB)"
+    budget = (f"{host['pinned_budget_setting']} GiB ({OPTIONS['host_budget_gb'].env})"
               if host["pinned_budget_setting"] is not None else
               f"{_gib(host['pinned_budget_bytes'])} per local rank (80% of what is available"
               f"{' under the cgroup limit' if cgroup is not None else ''}, shared by "

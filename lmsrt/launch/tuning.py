@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
-from ..options import AUTO, OPTIONS, format_setting
+from ..options import AUTO, OPTIONS, format_setting, spelled
 from ..units import GiB, MiB
 from .output import check_output_dir, check_output_file, write_atomic
 
@@ -251,7 +251,7 @@ def _read_stats(trial: Trial, path: str, steps: int) -> None:
     trial.host_peak_bytes = total["host_peak_bytes"]
     trial.swapped_bytes = last["out_bytes"]
     if not data["enabled"]:
-        trial.error = "LMS was off: no GPU (LMSRT_DEVICE=sim simulates one)"
+        trial.error = f"LMS was off: no GPU ({spelled('device', 'sim')} simulates one)"
     elif trial.step_time_s is None:
         trial.error = "fewer than 2 steps, so no step time: let the script run more steps"
     elif trial.steps < steps:

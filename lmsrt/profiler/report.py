@@ -33,6 +33,7 @@ from typing import Callable, List, Optional
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ..options import OPTIONS
 from ..units import GiB, MiB, format_bytes
 from . import render
 from .recorder import ModuleStats, Sample, StepRecorder
@@ -122,8 +123,9 @@ class Verdict:
                     f"saved tensors to move. Use a smaller "
                     f"batch or input, activation checkpointing, or a GPU with more than "
                     f"{format_bytes(self.floor_bytes + self.headroom_bytes)}.")
+        lms, frac = OPTIONS["lms"].flag, OPTIONS["lms_frac"].flag
         return (f"{text}\n  LMS must move {format_bytes(self.move_bytes)} of saved tensors to "
-                f"host memory. Start with:\n    lmsrt run --lms {self.lms_kb} --lms-frac "
+                f"host memory. Start with:\n    lmsrt run {lms} {self.lms_kb} {frac} "
                 f"{self.lms_frac:.2f} {self.script}   (lmsrt.LMS(lms={self.lms_kb}, "
                 f"lms_frac={self.lms_frac:.2f}))")
 
