@@ -15,7 +15,7 @@ from torch.utils import cpp_extension
 
 import lmsrt.copy_path as copy_path
 from lmsrt._cli import main
-from test_cli import clean_env
+from processes import clean_env
 
 # A process that finds a CUDA GPU (whether or not there is one), waits until its sibling is ready
 # too, so that both ask for the copy path at once, then loads it and says what it got.

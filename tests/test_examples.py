@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from test_cli import ROOT, clean_env
+from processes import ROOT, clean_env
 
 GPT = str(ROOT / "examples" / "train_gpt.py")
 SEGNET = str(ROOT / "examples" / "train_segnet.py")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from test_cli import ROOT, clean_env
+from processes import ROOT, clean_env
 
 SCRIPTS = ROOT / "tests" / "scripts"
 KINDS = [pytest.param("sim", id="sim"),

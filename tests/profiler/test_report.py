@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from lmsrt.profiler.report import build_report, headroom
 from lmsrt.units import GiB, format_bytes
 
 from models import transformer
+from processes import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 F32 = 4
 LINEAR_PARAMS = (64 * 64 + 64) * F32
 

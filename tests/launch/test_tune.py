@@ -22,7 +22,7 @@ from lmsrt._cli import main
 from lmsrt.launch.tuning import (BISECT_FRACS, Sweep, Trial, best_trial, bisect_search,
                                  classify, compare_auto, grid_search, pareto_front, with_param,
                                  write_plot, write_results)
-from test_cli import clean_env, write
+from processes import clean_env, write
 
 # Reads its trial's settings, then does what CUE says for them; else trains until stopped.
 SCRIPT = """

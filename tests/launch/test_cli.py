@@ -22,8 +22,7 @@ from lmsrt import arena
 from lmsrt._cli import main
 from lmsrt.launch.output import check_output_file, write_atomic
 from lmsrt.launch.session import BOOTSTRAP_DIR
-
-ROOT = Path(__file__).resolve().parents[1]
+from processes import clean_env, write
 
 # A script that does not know about lmsrt: an MLP trained for argv[1] steps on the CPU.
 MLP_SCRIPT = textwrap.dedent("""
@@ -50,16 +49,6 @@ ARGV_SCRIPT = textwrap.dedent("""
 """)
 
 
-def clean_env(**extra: str) -> dict:
-    """The environment of a child: this one without LMSRT_*/torchrun variables, LMS on `sim`."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMSRT_") and k not in drop}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["LMSRT_DEVICE"] = "sim"
-    env.update(extra)
-    return env
-
-
 def lmsrt_process(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lmsrt", *args], capture_output=True, text=True,
                           cwd=cwd, env=env or clean_env(), timeout=180)
@@ -72,12 +61,6 @@ def invoke(*args: str) -> Result:
 def seen(output: str) -> dict:
     line = next(l for l in output.splitlines() if l.startswith("SEEN="))
     return json.loads(line[len("SEEN="):])
-
-
-def write(path: Path, text: str) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return str(path)
 
 
 # -- passing the script its arguments -------------------------------------------------------------
