@@ -28,7 +28,9 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      point. Less what lmsrt held then (sources in flight, restored copies not yet used), that is
      the model's own use at the point and its peak in the interval before it, relative to use
      when the step began: a ``Profile``. It also notes at which backward point each storage was
-     used for the last time. The first learning step lets a tensor whose pin is still under
+     used for the last time, and for a storage that the model itself holds on to after
+     lmsrt let it go (a logits tensor the loss still reads), from which point to which it
+     counted as the model's own. The first learning step lets a tensor whose pin is still under
      way stay on the GPU (the run's first step must not stall on pinning); if any did, the
      profile would count them as the model's own, so the next step learns again, by then with
      the pool pinned.
@@ -43,11 +45,12 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      highest predicted use still to come in backward stays under it (a prefetch is held until
      its use, which for the earliest storages is the end of backward); a kept storage is
      swapped anyway when use runs over the prediction by more than the plan's slack.
-  4. Correct. A step whose peak passed the bound plans for the overshoot more than learnt; a
-     step that peaked well under it, half the unused room less (the learning step's own use is
-     not quite a planned step's). The headroom (room the allocator needs beside what is
-     allocated) starts at limit/16; allocator retries near the bound raise it by limit/64;
-     after four clean steps it gives back limit/128, down to limit/32.
+  4. Correct. A step whose peak passed the bound and the prediction plans for what the
+     prediction missed; a step that peaked well under it, half the unused room less (the
+     learning step's own use is not quite a planned step's). A peak predicted over the bound is
+     the model's own: nothing to correct. The headroom (room the allocator needs beside what
+     is allocated) starts at limit/16; more than two allocator retries a step near the bound
+     raise it by limit/64; after four clean steps it gives back limit/128, down to limit/32.
   5. A step whose sequence differs is reactive: it swaps what passes the bound less the largest
      growth the profile saw. A sequence that keeps changing is learnt again, at most every
      ``_RELEARN`` steps.
@@ -74,6 +77,7 @@ __all__ = ["FixedPolicy", "AutoPolicy", "Profile", "make_policy"]
 _SLACK = 0.05      # FixedPolicy shrinks its target only when this far under the mark
 _RELEARN = 16      # AutoPolicy learns a changed sequence again at most this often (steps)
 _NEVER = 1 << 62
+_RETRIES = 2       # AutoPolicy leaves more headroom past this many allocator retries a step
 _REPLAN = 8        # AutoPolicy plans again when its budget moved by limit >> _REPLAN
 
 
@@ -160,6 +164,41 @@ class Profile:
         self.bwd_peak: List[int] = []
         self.last_use: List[int] = []    # backward point of each storage's last unpack
         self.live: set = set()           # storages alive anyway (never worth keeping count of)
+        # Storage i counted as the model's own from point held[i][0] to held[i][1] (points
+        # numbered through forward, then backward): the model held on to it after lmsrt let go.
+        self.held: dict = {}
+        self.closed = False
+
+    def _point(self) -> int:
+        return len(self.fwd_own) + len(self.bwd_own)
+
+    def own_from(self, i: int) -> None:
+        if not self.closed:
+            self.held[i] = (self._point(), None)
+
+    def on_free(self, i: int):
+        """A weakref callback for storage i: where it was freed closes its span in ``held``."""
+        def freed(_ref) -> None:
+            span = self.held.get(i)
+            if span is not None and span[1] is None and not self.closed:
+                self.held[i] = (span[0], self._point())
+        return freed
+
+    def kept_spans(self, k: int):
+        """The points at which keeping storage k adds its bytes to what was learnt: from its
+        save to its last unpack (to there the learning step counted its restored copy as
+        lmsrt's; after it, autograd frees it as it frees a kept one), less the span in which
+        the model held it anyway: from where lmsrt let go of it (that interval's peak was read
+        with it allocated) to the interval in which it was freed (which may have peaked after
+        it was: counted)."""
+        n, p = len(self.fwd_own), len(self.bwd_own)
+        start, end = k + 1, n + min(self.last_use[k], p - 1)
+        span = self.held.get(k)
+        if span is None:
+            return [(start, end)]
+        lo, hi = span
+        hi = end + 1 if hi is None else max(hi, lo + 1)
+        return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
 
     def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
                nbytes: int = 0) -> None:
@@ -272,20 +311,19 @@ class AutoPolicy:
         # bytes fit under the budget at every point from its save to its last use; offload the
         # rest. (Keeping a plain suffix would have to keep the last storages first, which are
         # often the largest and alive at the peak: an LM's fp32 log-softmax output.)
-        fwd = list(prof.fwd_peak)
-        bwd = list(prof.bwd_peak)
+        peaks = prof.fwd_peak + prof.bwd_peak        # points through forward, then backward
         offload = [False] * n
         for k in range(n - 1, -1, -1):
             size = prof.sizes[k]
             if k in live or not size:
                 continue
-            end = min(prof.last_use[k], p - 1)
-            if (max(fwd[k + 1:], default=0) + size <= budget
-                    and max(bwd[:end + 1], default=0) + size <= budget):
-                fwd[k + 1:] = [v + size for v in fwd[k + 1:]]
-                bwd[:end + 1] = [v + size for v in bwd[:end + 1]]
+            spans = prof.kept_spans(k)
+            if all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans):
+                for a, b in spans:
+                    peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
             else:
                 offload[k] = True
+        fwd, bwd = peaks[:n], peaks[n:]
         plan.set_offloaded(offload)
         peak = max(fwd + bwd, default=0)
         self.predicted_peak = base + peak
@@ -324,6 +362,8 @@ class AutoPolicy:
         if self.learning:
             prof = self._recording
             self._recording = None
+            if prof is not None:
+                prof.closed = True         # storages freed from here on tell it nothing
             if lagged and self.may_lag:
                 # Tensors stayed on the GPU while their pins ran: learn again, without lag.
                 self.may_lag = False
@@ -347,10 +387,13 @@ class AutoPolicy:
         # A plan that predicted a peak over the bound moves all it can already: what is left is
         # the model's own, and neither more headroom nor more correction would change it.
         beyond = self.predicted_peak > bound
-        if retries and peak > bound - self.headroom and not beyond:
-            # The allocator freed its cache to go on (a device sync) near the bound: leave it
-            # more room. Retries far under the bound are the cache filling up, not pressure
-            # lmsrt makes (measured: two a step at 14.3 GiB of an 18 GiB cap on an LM).
+        if retries > _RETRIES and peak > bound - self.headroom and not beyond:
+            # The allocator freed its cache to go on (a device sync) near the bound, more than
+            # a couple of times: leave it more room. Retries far under the bound are the cache
+            # filling up, not pressure lmsrt makes (measured: two a step at 14.3 GiB of an 18
+            # GiB cap on an LM); two a step near it cost less than the bytes that more headroom
+            # moves (measured on the LM at 18 GiB: 0.56 s a step at 1.1 GiB of headroom, 0.60 s
+            # once two retries a step had raised it to 2 GiB, still with two).
             self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
             self._clean = 0
             self.why = (f"the allocator freed its cache {retries} time(s) to go on near the "
