@@ -345,7 +345,7 @@ class SwapEngine:
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step
         listeners run first, with the number of the step that begins; one may raise to stop
-        the script there (the launcher's --max-steps), before anything of that step is held."""
+        the script there (the launcher's LMSRT_MAX_STEPS), before anything of that step is held."""
         for listener in self.step_listeners:
             listener(self.run_stats.steps + 1 + bool(self.step.step))
         with self._lock:

@@ -195,8 +195,8 @@ class LMS:
     def add_step_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(step)`` as each step begins, with the step's number (1, 2, ...), before
         anything of that step is held. An exception it raises leaves through the ``with`` entry
-        or the saved-tensor hook that began the step (``lmsrt run --max-steps`` ends a script
-        with ``SystemExit`` this way). Nothing is called when the LMS does not swap.
+        or the saved-tensor hook that began the step (``lmsrt run`` under ``LMSRT_MAX_STEPS`` ends a
+        script with ``SystemExit`` this way). Nothing is called when the LMS does not swap.
 
         Example::
 
