@@ -2,7 +2,8 @@
 
 ``recorder.py`` measures one step, module by module (hooks only, no LMS); ``report.py`` turns
 what it measured into a ``MemoryReport`` with a predicted peak and a verdict; ``render.py`` shows
-a report as text, a PNG timeline and an HTML page. It uses the runtime core (device.py), never the reverse.
+a report as text, a PNG timeline and an HTML page. The package uses the runtime core (device.py,
+options.py, units.py); the core does not import it.
 
 Example::
 
