@@ -444,7 +444,7 @@ class SwapEngine:
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self._forward_end_use, swapped=s.out_bytes,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
-                                retries=s.alloc_retries, lagged=s.host_lagged)
+                                retries=s.alloc_retries)
         s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
@@ -635,15 +635,13 @@ class SwapEngine:
         key = self.device.stream_key()
         stream = self.compute if key == self._compute_key else self.device.stream_of(key)
         # A swap waits for a pin under way where keeping the tensor would undo what the policy
-        # counts on: a planned step; a learning step, unless it may lag (policy.py, NOTE
-        # [ Auto ], 1) and use is under half the limit (nothing is known yet of what the model
-        # needs in backward, where the tensor is still here); or use within 1/8 of the limit.
-        # Elsewhere the tensor stays on the GPU while its pin runs, and the first step does not
-        # stall on pinning (host.py, NOTE [ Pinning ]).
+        # counts on: a planned step; a step that must hold the least (the first, in which cuDNN
+        # picks its algorithms for the run by the memory free then: policy.may_lag); or use
+        # within 1/8 of the limit. Elsewhere (a later reactive step with room) the tensor stays
+        # on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
         limit, use = self.limit, self._use_read + self._use_delta      # no new reading
-        policy = self.policy
-        wait = (self.plan.planned or use > limit - (limit >> 3)
-                or policy.learning and (not policy.may_lag or use > limit >> 1))
+        wait = (self.plan.mode == "plan" or not self.policy.may_lag
+                or use > limit - (limit >> 3))
         slot = self.host.alloc(nbytes, wait=wait)
         if slot is None:
             return None

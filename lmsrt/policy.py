@@ -30,10 +30,9 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      when the step began: a ``Profile``. It also notes at which backward point each storage was
      used for the last time, and for a storage that the model itself holds on to after
      lmsrt let it go (a logits tensor the loss still reads), from which point to which it
-     counted as the model's own. The first learning step lets a tensor whose pin is still under
-     way stay on the GPU (the run's first step must not stall on pinning); if any did, the
-     profile would count them as the model's own, so the next step learns again, by then with
-     the pool pinned.
+     counted as the model's own. A swap in a learning step waits for a pin under way: a tensor
+     left on the GPU would count as the model's own, and in the run's first step it would take
+     memory from cuDNN's choice of algorithms (``FixedPolicy.swap_at``).
   2. Plan. A storage the plan keeps on the GPU occupies its bytes from its save to its last use
      in backward. The predicted peak of each interval is the model's own peak there plus the
      kept storages alive then; it must stay under the bound, the limit less the headroom,
@@ -86,7 +85,6 @@ class FixedPolicy:
 
     auto = False
     learning = False
-    may_lag = True            # a tensor may stay on the GPU while its pin runs
     recording = None          # records no profile
 
     def __init__(self, lms_frac: float, limit: int, window: int):
@@ -101,6 +99,12 @@ class FixedPolicy:
 
     def begin_step(self, plan: OffloadPlan, base: int) -> None:
         pass
+
+    @property
+    def may_lag(self) -> bool:
+        """Whether a swap may leave its tensor on the GPU while its pin runs: not in the first
+        step, which holds the least (``swap_at``)."""
+        return not self._first
 
     def swap_at(self, plan: OffloadPlan, i: int) -> int:
         """The first step swaps every eligible storage. It is the step in which cuDNN and cuBLAS
@@ -125,8 +129,7 @@ class FixedPolicy:
         return self.mark
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int,
-                    lagged: int = 0) -> None:
+                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
         """NOTE [ Fixed mark ]."""
         self._first = False
         mark = self.mark
@@ -240,7 +243,6 @@ class AutoPolicy:
         self.correction = 0            # how far the profile over- (-) or under- (+) predicts
         self.profile: Optional[Profile] = None
         self.learning = True           # this step records a profile
-        self.may_lag = True            # ... and may leave tensors on the GPU while pins run
         self._recording: Optional[Profile] = None
         self._since_learnt = 0
         self._clean = 0
@@ -291,6 +293,11 @@ class AutoPolicy:
         return self._reactive
 
     # -- learning ----------------------------------------------------------------------------
+
+    @property
+    def may_lag(self) -> bool:
+        """A learning step's swaps wait for their pins (NOTE [ Auto ], 1)."""
+        return not self.learning
 
     @property
     def recording(self) -> Optional[Profile]:
@@ -357,20 +364,12 @@ class AutoPolicy:
     # -- after a step ------------------------------------------------------------------------
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int,
-                    lagged: int = 0) -> None:
+                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
         if self.learning:
             prof = self._recording
             self._recording = None
             if prof is not None:
                 prof.closed = True         # storages freed from here on tell it nothing
-            if lagged and self.may_lag:
-                # Tensors stayed on the GPU while their pins ran: learn again, without lag.
-                self.may_lag = False
-                plan.set_target(swapped)
-                self.why = (f"{lagged} tensor(s) stayed on the GPU while their host memory was "
-                            "pinned: learning again with the pool pinned")
-                return
             self.learning = False
             self._since_learnt = 0
             if prof is not None and prof.sizes and len(prof.sizes) == len(plan.recorded):
@@ -425,7 +424,6 @@ class AutoPolicy:
                 self.why = f"clean steps: headroom given back to {self.headroom / gib:.2f} GiB"
         if not followed and self._since_learnt >= _RELEARN:
             self.learning = True        # the sequence changed: learn it again
-            self.may_lag = False
             self.why = "the sequence of saved tensors changed: learning it again"
         if self.profile is None:
             plan.set_target(swapped)

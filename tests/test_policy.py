@@ -296,19 +296,14 @@ def test_lm_head_out_of_memory_at_a_fixed_mark_trains_at_auto():
         assert s["out_bytes"] < saved, (s["out_bytes"], saved)
 
 
-def test_a_first_step_whose_pins_lag_is_learnt_again():
-    """Pins that take a while: the first step leaves tensors on the GPU while they run (no
-    stall), which the profile would count as the model's own; the second step learns again
-    with the pool pinned, and the plan from there moves only what must move."""
+def test_a_learning_step_waits_for_pins_under_way():
+    """Pins that take a while: the learning step still swaps every eligible tensor, waiting for
+    its pin, rather than leave any on the GPU (where the profile would take it for the model's
+    own, and where in the first step it takes memory from cuDNN's choice of algorithms)."""
     device = SimulatedDevice(capacity=CAP, strict=True, pin_threads=2, pin_delay=0.05)
-    grads, stats = _train(device, "auto", **BACKWARD_TRANSIENT)
-    for got, want in zip(grads, _reference(**BACKWARD_TRANSIENT)):
+    grads, stats = _train(device, "auto", steps=4, **BACKWARD_TRANSIENT)
+    for got, want in zip(grads, _reference(steps=4, **BACKWARD_TRANSIENT)):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    steps = _steps(stats)
-    saved = 15 * 12 * MiB
-    assert steps[0]["host_lagged"] > 0 and steps[0]["out_bytes"] < saved
-    assert "learning again" in steps[0]["policy_note"]
-    assert steps[1]["host_lagged"] == 0 and steps[1]["out_bytes"] == saved
-    assert all(s["gpu_peak_bytes"] <= CAP for s in steps)
-    for s in steps[3:]:
-        assert s["mode"] == "plan" and 0 < s["out_bytes"] < saved * 0.75, s["out_bytes"]
+    first = _steps(stats)[0]
+    assert first["host_lagged"] == 0 and first["out_bytes"] == 15 * 12 * MiB
+    assert first["host_pin_wait_s"] > 0
