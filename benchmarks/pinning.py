@@ -1,4 +1,4 @@
-"""Pinned host memory at lmsrt's default settings: pinned against used, first step against settled.
+"""Pinned host memory at lmsrt's default settings (or a given --lms-frac): pinned against used, first step against settled.
 
     python benchmarks/pinning.py                                  # gpt at 12 GiB, lm at 14 GiB
     python benchmarks/pinning.py --workloads lm --cap-gib 14 --out results/
@@ -49,7 +49,7 @@ def _pool_figures(pool) -> dict:
             "pins_in_flight": pool.pins_in_flight, "slabs": len(pool.slabs)}
 
 
-def child(workload: str, method: str, cap_gib: float, steps: int) -> dict:
+def child(workload: str, method: str, cap_gib: float, steps: int, lms_frac=None) -> dict:
     import torch
     import lmsrt
     from offload import _bandwidth
@@ -59,7 +59,8 @@ def child(workload: str, method: str, cap_gib: float, steps: int) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap_gib * GiB / total)
     work = build(workload)
-    lms = lmsrt.LMS() if method == "lmsrt" else None
+    given = {} if lms_frac is None else {"lms_frac": lms_frac}
+    lms = lmsrt.LMS(**given) if method == "lmsrt" else None
     ctx = lms if lms is not None else contextlib.nullcontext()
     times, rows = [], []
     try:
@@ -91,7 +92,7 @@ def child(workload: str, method: str, cap_gib: float, steps: int) -> dict:
 def run_child(args, workload: str, method: str, cap: float) -> dict:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{workload}:{method}:{cap}",
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps)] + (["--lms-frac", args.lms_frac] if args.lms_frac else [])
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -174,13 +175,17 @@ def main() -> None:
                          + ", ".join(f"{k} {v:g}" for k, v in CAPS.items()) + ")")
     ap.add_argument("--steps", type=int, default=25,
                     help="steps per run (give-back needs more than 10 after the plan settles)")
+    ap.add_argument("--lms-frac", default=None,
+                    help="lms_frac for lmsrt (default: lmsrt's own); a number or auto")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         workload, method, cap = args.child.split(":")
-        print(json.dumps(child(workload, method, float(cap), args.steps)))
+        frac = args.lms_frac
+        frac = None if frac is None else frac if frac == "auto" else float(frac)
+        print(json.dumps(child(workload, method, float(cap), args.steps, frac)))
         return
     rows = []
     for name in args.workloads.split(","):
