@@ -78,10 +78,12 @@ class OffloadPlan:
         return followed
 
     def set_target(self, target: int) -> None:
-        """Offload the earliest storages whose sizes add up to at least ``target`` bytes."""
-        self.target = max(0, int(target))
-        self.chosen = []
+        """Offload the earliest storages whose sizes add up to at least ``target`` bytes (at
+        most all of them: a target past what the step saves, grown by GPU use that is not
+        lmsrt's, would otherwise pin host memory for nothing)."""
         cumulative = list(itertools.accumulate(self.recorded))
+        self.target = min(max(0, int(target)), cumulative[-1] if cumulative else 0)
+        self.chosen = []
         self.cutoff = min(len(cumulative), bisect.bisect_left(cumulative, self.target) + 1) \
             if self.target > 0 else 0
 

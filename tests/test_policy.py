@@ -313,3 +313,14 @@ def test_a_learning_step_waits_for_pins_under_way():
     first = _steps(stats)[0]
     assert first["host_lagged"] == 0 and first["out_bytes"] == 15 * 12 * MiB
     assert first["host_pin_wait_s"] > 0
+
+
+def test_a_fixed_target_stops_at_what_the_step_saves():
+    """At a mark under GPU use that is not lmsrt's (another model's tensors), a fixed mark's
+    target would grow by that use every step, and the host pool would pin it."""
+    plan = OffloadPlan()
+    plan.recorded = [10, 20, 30]
+    plan.set_target(1000)
+    assert plan.target == 60 and plan.cutoff == 3
+    plan.set_target(25)
+    assert plan.target == 25 and plan.cutoff == 2
