@@ -1,7 +1,9 @@
 """Small models shared by the tests, and the helpers that train them with and without LMS."""
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -124,3 +126,13 @@ def run_threads(work, args, timeout: float = 120.0) -> None:
             t.join(timeout)
     finally:
         sys.setswitchinterval(switch)
+
+
+@contextlib.contextmanager
+def lmsrt_warnings():
+    """Collects the message of every lmsrt warning given inside, however often one repeats."""
+    said = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield said
+    said.extend(str(w.message) for w in caught if str(w.message).startswith("lmsrt:"))

@@ -3,7 +3,6 @@
 can be held (``pin_gate``) or slowed (``pin_delay``); under the `cuda` marker the same ideas run
 against the real driver: registered memory, pinning that overlaps the first step, exact gradients
 while pins lag."""
-import contextlib
 import gc
 import importlib.util
 import pathlib
@@ -12,7 +11,6 @@ import threading
 import time
 import types
 import typing
-import warnings
 import weakref
 
 import pytest
@@ -23,17 +21,8 @@ from lmsrt import host as host_module
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
 from lmsrt.units import GiB, MiB
-from models import assert_same, make_lms, mlp, train_step, transformer
+from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, transformer
 
-
-@contextlib.contextmanager
-def lmsrt_warnings():
-    """Collects the message of every lmsrt warning given inside."""
-    said = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield said
-    said.extend(str(w.message) for w in caught if str(w.message).startswith("lmsrt:"))
 
 
 def _until(condition, timeout=10.0):

@@ -30,20 +30,11 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.host import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
 from lmsrt.units import GiB
-from models import (DEVICES, assert_same, make_lms, mlp, run_threads, torch_device, train_step,
-                    transformer)
+from models import (DEVICES, assert_same, lmsrt_warnings, make_lms, mlp, run_threads,
+                    torch_device, train_step, transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-@contextlib.contextmanager
-def lmsrt_warnings():
-    """Collects the message of every lmsrt warning given inside, however often one repeats."""
-    said = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield said
-    said.extend(str(w.message) for w in caught if str(w.message).startswith("lmsrt:"))
 
 
 def _setup(kind, d=64, layers=6, batch=32):
