@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import mmap
 import os
@@ -60,6 +61,7 @@ class Device(Protocol):
     def memory_allocated(self) -> int: ...
     def peak_allocated(self) -> int: ...
     def alloc_retries(self) -> int: ...
+    def alloc_failures(self) -> int: ...
     def reset_peak(self) -> None: ...
     def memory_limit(self) -> int: ...
     def empty(self, nbytes: int) -> torch.Tensor: ...
@@ -172,9 +174,10 @@ class CudaDevice:
     """One CUDA device, as the swap engine sees it."""
 
     kind = "cuda"
-    # Pinning runs off the training thread; several registrations at once overlap the page
-    # faults and zeroing that dominate their cost.
-    pin_threads = 4
+    # Pinning runs off the training thread, on several threads: the page faults and zeroing that
+    # dominate its cost scale with them (measured on an H200 host, 4 GiB: 13.5 GiB/s on 4
+    # threads, 22 GiB/s on 8, with the pages touched before registration).
+    pin_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def __init__(self, index: Optional[int] = None):
         self.index = torch.cuda.current_device() if index is None else index
@@ -221,6 +224,12 @@ class CudaDevice:
         """How often the caching allocator has had to free its cache and retry (a device sync)."""
         return torch._C._cuda_memoryStats(self.index)["num_alloc_retries"]
 
+    def alloc_failures(self) -> int:
+        """How many allocations have failed at the limit, counting those whose out-of-memory
+        error the caller caught: cuDNN does, and then runs a convolution with a smaller workspace
+        (a slower algorithm, which it keeps for the run)."""
+        return torch._C._cuda_memoryStats(self.index)["num_ooms"]
+
     def peak_allocated(self) -> int:
         """Peak allocated bytes since the last ``reset_peak``, even if the script reset torch's
         counter in between."""
@@ -259,6 +268,10 @@ class CudaDevice:
                 except OSError:            # not supported by this kernel: only slower or unsafe
                     pass                   # under fork, as torch's own pinned memory is
         slab = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        # Touch the pages first (a memset, which releases the GIL): the driver then only locks
+        # pages that are there. Registering untouched pages faulted them in at 4-6 GiB/s on an
+        # H200 host; touched first, 13.5 GiB/s on 4 threads and 22 GiB/s on 8.
+        ctypes.memset(slab.data_ptr(), 0, size)
         cudart = torch.cuda.cudart()
         with torch.cuda.device(self.index):  # a pinning thread starts on device 0
             err = cudart.cudaHostRegister(slab.data_ptr(), size, _HOST_REGISTER_PORTABLE)
@@ -346,6 +359,7 @@ class SimulatedDevice:
                  strict: bool = False, pin_threads: int = 0, pin_delay: float = 0.0):
         self.capacity = int(capacity)
         self.strict = strict
+        self.failures = 0            # allocations refused at the capacity (strict)
         self.copy_lag = copy_lag
         self.pin_limit = pin_limit
         self.pinned_total = 0
@@ -402,6 +416,9 @@ class SimulatedDevice:
     def alloc_retries() -> int:
         return 0
 
+    def alloc_failures(self) -> int:
+        return self.failures
+
     def reset_peak(self) -> None:
         self._peak = self.memory_allocated()
 
@@ -439,6 +456,7 @@ class SimulatedDevice:
                 return
             nbytes = storage.nbytes()
             if self.strict and self._allocated + nbytes > self.capacity:
+                self.failures += 1
                 raise torch.OutOfMemoryError(
                     f"simulated: out of memory allocating {nbytes} bytes with {self._allocated} "
                     f"of {self.capacity} allocated")

@@ -326,6 +326,7 @@ class SwapEngine:
         self._use_age = self._exact_every   # estimates given since that reading
         self._largest = (0, 0)         # (bytes, save index) of this forward's largest storage
         self._retries_before = 0       # the allocator's retry count when this step began
+        self._failures_before = 0      # and its count of failed allocations
         self.diagnostics = Diagnostics()   # one-time warnings, out-of-memory text
         self.step_listeners: list = []  # called with the step number as each step begins
         self.closed = False
@@ -371,6 +372,7 @@ class SwapEngine:
             self._step_peak = 0
             self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
             self._retries_before = self.device.alloc_retries()
+            self._failures_before = self.device.alloc_failures()
             self.compute = stream
             self._compute_key = self.device.stream_key()
             self._by_ptr.clear()
@@ -438,13 +440,16 @@ class SwapEngine:
         self._collect_waits(s)
         s.alloc_retries = self.device.alloc_retries() - self._retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
+        s.alloc_failures = self.device.alloc_failures() - self._failures_before
         if s.alloc_retries and s.mode == "plan" and not self.policy.auto:
             self.diagnostics.alloc_retries(s)
+        if s.alloc_failures:
+            self.diagnostics.alloc_failures(s)
         followed = self.plan.finish_step()
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self._forward_end_use, swapped=s.out_bytes,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
-                                retries=s.alloc_retries)
+                                retries=s.alloc_retries, failures=s.alloc_failures)
         s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
@@ -885,6 +890,8 @@ class SwapEngine:
         so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order = self._order
         level = self.policy.fetch_to(self.plan, self._bwd_point)
+        if self._ahead and level and self.policy.auto and self.plan.mode == "plan":
+            self._shed(level + (self.policy.headroom >> 1))
         while self._cursor >= 0:
             s = order[self._cursor]
             if (s.dead or s.consumed or s.gpu is not None or s.source is not None
@@ -902,6 +909,29 @@ class SwapEngine:
                 self._cursor = -1
                 break
             self._cursor -= 1
+
+    def _shed(self, level: int) -> None:
+        """Under lms_frac="auto" the fetch level is what use may be now for the peaks the plan
+        predicts further on to fit. Use over it means the model holds more than the plan
+        predicted: copies fetched ahead earlier, when it did not, would then meet those peaks and
+        make an allocation fail there (cuDNN's workspace, which then falls back to a slower
+        algorithm for the rest of the run). Give back the restored copies not yet used, those
+        needed last first, until use is within the level; they are fetched again later (clean
+        copies: their bytes are still in host memory)."""
+        use = self._gpu_use(0, level)
+        order = self._order
+        for k in range(self._cursor + 1, len(order)):      # ascending: needed last first
+            if use <= level or not self._ahead:
+                return
+            s = order[k]
+            if s.gpu is None or s.unpacked or s.consumed or s.source is not None:
+                continue
+            self._order_after(s, s.fetch_done)                 # Rule 4
+            self._drop_restored(s)
+            self._use_delta -= s.nbytes
+            use -= s.nbytes
+            self._cursor = max(self._cursor, k)
+            self.step.prefetch_dropped += 1
 
     # -- release -----------------------------------------------------------------------------
 

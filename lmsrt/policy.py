@@ -129,7 +129,8 @@ class FixedPolicy:
         return self.mark
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
+                    swapped: int, beyond_plan: int, peak: int, retries: int,
+                    failures: int = 0) -> None:
         """NOTE [ Fixed mark ]."""
         self._first = False
         mark = self.mark
@@ -254,6 +255,7 @@ class AutoPolicy:
         self._fetch: List[int] = []
         self._reactive = 0
         self.predicted_peak = 0
+        self.predicted: List[int] = []  # the plan's use per point (forward, then backward), from base
         self.why = "learning the model's own use (step 1 swaps every eligible tensor)"
 
     # -- the three levels ----------------------------------------------------------------------
@@ -330,6 +332,7 @@ class AutoPolicy:
                     peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
             else:
                 offload[k] = True
+        self.predicted = peaks
         fwd, bwd = peaks[:n], peaks[n:]
         plan.set_offloaded(offload)
         peak = max(fwd + bwd, default=0)
@@ -364,7 +367,8 @@ class AutoPolicy:
     # -- after a step ------------------------------------------------------------------------
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int) -> None:
+                    swapped: int, beyond_plan: int, peak: int, retries: int,
+                    failures: int = 0) -> None:
         if self.learning:
             prof = self._recording
             self._recording = None
@@ -386,7 +390,16 @@ class AutoPolicy:
         # A plan that predicted a peak over the bound moves all it can already: what is left is
         # the model's own, and neither more headroom nor more correction would change it.
         beyond = self.predicted_peak > bound
-        if retries > _RETRIES and peak > bound - self.headroom and not beyond:
+        if failures and not beyond:
+            # An allocation failed at the limit and its caller went on with less: the step
+            # needed more than its peak shows (cuDNN asked for a workspace, then ran a slower
+            # algorithm with a smaller one, which it keeps for the run). Leave more room.
+            self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
+            self._clean = 0
+            self.why = (f"{failures} allocation(s) failed at the limit and were worked around "
+                        f"(a library fell back to less memory): headroom raised to "
+                        f"{self.headroom / gib:.2f} GiB")
+        elif retries > _RETRIES and peak > bound - self.headroom and not beyond:
             # The allocator freed its cache to go on (a device sync) near the bound, more than
             # a couple of times: leave it more room. Retries far under the bound are the cache
             # filling up, not pressure lmsrt makes (measured: two a step at 14.3 GiB of an 18

@@ -33,6 +33,9 @@ class StepStats:
     swapout_waits: int = 0         # times forward waited on a swap-out to stay under the mark
     host_refused: int = 0          # swap-outs refused by the host budget (kept on the GPU)
     alloc_retries: int = 0         # times the CUDA allocator had to free its cache to go on
+    alloc_failures: int = 0        # allocations that failed at the limit and were caught (cuDNN
+                                   # then runs a slower algorithm, and keeps it for the run)
+    prefetch_dropped: int = 0      # restored copies given back unused: use ran over the plan
     gpu_peak_bytes: int = 0        # peak allocated GPU memory of the step
     forward_end_bytes: int = 0     # GPU use when forward ended, net of copies still in flight
     host_pinned_bytes: int = 0     # pinned host memory held at the end of the step
@@ -54,8 +57,8 @@ class StepStats:
 
 _SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors",
            "live_bytes", "live_tensors", "in_bytes",
-           "in_tensors", "prefetch_hits", "prefetch_misses", "swapin_wait_ms", "swapout_waits",
-           "host_refused", "alloc_retries", "host_pin_s", "host_pin_wait_s", "host_lagged",
+           "in_tensors", "prefetch_hits", "prefetch_misses", "prefetch_dropped", "swapin_wait_ms", "swapout_waits",
+           "host_refused", "alloc_retries", "alloc_failures", "host_pin_s", "host_pin_wait_s", "host_lagged",
            "host_given_back_bytes")
 
 
@@ -123,6 +126,7 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("swapped in", last["in_bytes"], t["in_bytes"]),
         ("  prefetch hits", last["prefetch_hits"], t["prefetch_hits"]),
         ("  prefetch misses", last["prefetch_misses"], t["prefetch_misses"]),
+        ("  prefetch dropped", last["prefetch_dropped"], t["prefetch_dropped"]),
         ("kept on GPU", last["kept_bytes"], t["kept_bytes"]),
         ("kept, alive anyway", last["live_bytes"], t["live_bytes"]),
         ("not eligible (count)", last["skipped_tensors"], t["skipped_tensors"]),
@@ -130,6 +134,7 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("swap-out waits", last["swapout_waits"], t["swapout_waits"]),
         ("host refusals", last["host_refused"], t["host_refused"]),
         ("allocator retries", last["alloc_retries"], t["alloc_retries"]),
+        ("  failed, caught", last["alloc_failures"], t["alloc_failures"]),
         ("GPU peak allocated", last["gpu_peak_bytes"], t["gpu_peak_bytes"]),
         ("host pinned peak", last["host_peak_bytes"], t["host_peak_bytes"]),
         ("host pinned", last["host_pinned_bytes"], t["host_pinned_bytes"]),
