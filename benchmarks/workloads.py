@@ -125,9 +125,13 @@ class Workload:
         self.model, self.inputs, self.autocast, self.loss, self.optimizer = WORKLOADS[name](**size)
         self.device = self.inputs[0].device.type
 
+    def model_loss(self):
+        """The model's loss on its input, with no autocast of its own."""
+        return self.loss(self.model(*self.inputs))
+
     def forward(self):
         with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.loss(self.model(*self.inputs))
+            return self.model_loss()
 
     def update(self):
         """The optimizer step, if any; then the gradients are dropped."""

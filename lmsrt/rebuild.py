@@ -1,0 +1,261 @@
+"""Rebuilding cheap saved tensors in backward instead of moving them: recipes, and a census.
+
+NOTE [ Recipes ]
+Many tensors autograd saves are cheap, deterministic functions of other tensors that stay
+available anyway: GELU's output (the input of the next Linear) from GELU's input, which GELU
+saves itself; a LayerNorm's output from its input, which LayerNorm saves; under autocast, a
+weight's bf16 copy from its fp32 parameter. Running the same kernel on the same inputs again in
+backward costs one memory-bound kernel; moving the tensor costs two PCIe copies (DESIGN.md: the
+transfer floor). A ``Recorder`` (a TorchDispatchMode, so below autograd: it sees the kernels that
+run, not the Python that called them) notes, for the output of each op in ``REBUILDABLE``, the
+op, its arguments, and each tensor argument's storage (by weak reference: a recipe keeps
+nothing alive) and version: a ``Recipe``, keyed by the output's storage.
+
+A recipe can stand in for its output when the output is saved as it was made (same version) and
+each tensor input will still be there, unchanged, when backward needs the output: an input that
+is a parameter, or one that is saved itself (``Recipe.inputs_saved``; autograd runs the
+consumer's backward, which needs the output, before the producer's, which holds the input).
+Rebuilding runs the op again without autograd (``Recipe.rebuild``); the result is bit for bit
+the output, since the kernel and its inputs are the same. An input changed in place since the
+op ran fails the rebuild as autograd fails a modified saved tensor.
+
+Only ops that draw no random numbers and write nothing but their output are listed: dropout,
+batch norm in training (it updates running statistics) and in-place ops are not.
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["REBUILDABLE", "Recipe", "Recorder", "census", "view_of"]
+
+_aten = torch.ops.aten
+
+# op -> index of the output that a recipe rebuilds (the others, e.g. LayerNorm's mean and rstd,
+# are small and saved as they are).
+REBUILDABLE: Dict[object, int] = {
+    _aten.gelu.default: 0,
+    _aten.silu.default: 0,
+    _aten.sigmoid.default: 0,
+    _aten.tanh.default: 0,
+    _aten.native_layer_norm.default: 0,
+    _aten._to_copy.default: 0,          # dtype casts: autocast's copies of weights and inputs
+}
+
+
+_DEPTH = 3             # ops a chain of recipes may reach back (LayerNorm, then a cast)
+_TENSOR = object()      # where a tensor argument goes, in a recipe's flattened arguments
+
+
+class _Input:
+    """A tensor argument of a recipe: its storage (weakly), version and view."""
+
+    __slots__ = ("storage_ref", "tensor_ref", "version", "dtype", "size", "stride", "offset",
+                 "parameter", "recipe")
+
+    def __init__(self, t: torch.Tensor, recipe: Optional["Recipe"]):
+        self.storage_ref = weakref.ref(t.untyped_storage())
+        self.recipe = recipe          # how this input was made, if it was by a listed op
+        # Its version counter lives as long as the tensor or a view of it (a view holds its
+        # base): with all of them gone, nothing can write it in place any more.
+        self.tensor_ref = weakref.ref(t)
+        self.version = t._version
+        self.dtype, self.size, self.stride = t.dtype, tuple(t.shape), t.stride()
+        self.offset = t.storage_offset()
+        self.parameter = weakref.ref(t) if isinstance(t, torch.nn.Parameter) else None
+
+    def unchanged(self) -> bool:
+        t = self.tensor_ref()
+        return t is None or t._version == self.version
+
+    def tensor(self) -> Optional[torch.Tensor]:
+        """The input as the op saw it, if its storage is still alive."""
+        if self.parameter is not None:
+            return self.parameter()
+        storage = self.storage_ref()
+        if storage is None:
+            return None
+        t = torch.empty(0, dtype=self.dtype, device=storage.device)
+        return t.set_(storage, self.offset, self.size, self.stride)
+
+
+class Recipe:
+    """How to make a saved tensor again: ``func(*args, **kwargs)[index]``, with the tensor
+    arguments given by ``inputs`` (NOTE [ Recipes ])."""
+
+    __slots__ = ("func", "spec", "flat", "inputs", "index", "version", "dtype", "size",
+                 "stride", "offset", "nbytes", "__weakref__")
+
+    def __init__(self, func, args, kwargs, index: int, out: torch.Tensor,
+                 made_by: Callable[[torch.Tensor], Optional["Recipe"]] = lambda t: None):
+        self.func, self.index = func, index
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.inputs: List[_Input] = [_Input(a, made_by(a)) for a in flat
+                                     if isinstance(a, torch.Tensor)]
+        # The arguments with each tensor's place marked, filled in again by ``rebuild``.
+        self.flat = [_TENSOR if isinstance(a, torch.Tensor) else a for a in flat]
+        self.version = out._version
+        self.dtype, self.size, self.stride = out.dtype, tuple(out.shape), out.stride()
+        self.offset = out.storage_offset()
+        self.nbytes = out.untyped_storage().nbytes()
+
+    @property
+    def name(self) -> str:
+        return str(self.func.overloadpacket.__name__)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (the output or a view of it: a Linear saves its input reshaped) is as
+        the op made it: nothing wrote its storage since (views share one version counter)."""
+        return t._version == self.version and t.untyped_storage().nbytes() == self.nbytes
+
+    def inputs_saved(self, saved: Callable[[object], bool], depth: int = _DEPTH) -> bool:
+        """Whether every tensor input is a parameter, or a storage for which ``saved`` is true,
+        alive and unchanged since the op ran, or was itself made by a recipe whose inputs are
+        (a LayerNorm's output cast to bf16 by autocast: the fp32 output is not saved, the
+        LayerNorm's input is), at most ``depth`` ops deep."""
+        for inp in self.inputs:
+            if inp.parameter is not None:
+                p = inp.parameter()
+                if p is None or p._version != inp.version:
+                    return False
+                continue
+            storage = inp.storage_ref()
+            if storage is not None and saved(storage) and inp.unchanged():
+                continue
+            if inp.recipe is None or depth == 0 or not inp.recipe.inputs_saved(saved, depth - 1):
+                return False
+        return True
+
+    def rebuild(self, resolve: Optional[Callable[[_Input], torch.Tensor]] = None) -> torch.Tensor:
+        """Run the op again and return its output (whose storage stands in for the old one:
+        a saved view is taken of it as of the old). ``resolve`` gives each input's tensor (the
+        engine's restored copy of a swapped input); by default the input's own storage."""
+        tensors = []
+        for inp in self.inputs:
+            t = resolve(inp) if resolve is not None else inp.tensor()
+            if t is None and inp.recipe is not None:
+                t = _as_input(inp.recipe.rebuild(resolve), inp)
+            if t is None:
+                raise RuntimeError(f"lmsrt: cannot rebuild the output of {self.name}: an input "
+                                   "is gone")
+            if not inp.unchanged():
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: the input of {self.name} is at version "
+                    f"{inp.tensor_ref()._version}; expected version {inp.version} instead. lmsrt "
+                    "rebuilds that op's output for backward from the input the op saw.")
+            tensors.append(t)
+        given = iter(tensors)
+        flat = [next(given) if a is _TENSOR else a for a in self.flat]
+        args, kwargs = tree_unflatten(flat, self.spec)
+        with torch.no_grad(), _disable_current_modes():
+            out = self.func(*args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            out = out[self.index]
+        if tuple(out.shape) != self.size or out.stride() != self.stride or out.dtype != self.dtype:
+            raise RuntimeError(f"lmsrt: {self.name} rebuilt a tensor of another layout "
+                               f"({tuple(out.shape)}, {out.stride()}) than it made "
+                               f"({self.size}, {self.stride})")
+        return out
+
+
+def _as_input(rebuilt: torch.Tensor, inp: _Input) -> torch.Tensor:
+    t = torch.empty(0, dtype=inp.dtype, device=rebuilt.device)
+    return t.set_(rebuilt.untyped_storage(), inp.offset, inp.size, inp.stride)
+
+
+class Recorder(TorchDispatchMode):
+    """Notes a ``Recipe`` for each output of an op in ``REBUILDABLE`` made while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self._recipes: Dict[int, tuple] = {}     # id(output storage) -> (storage ref, recipe)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        index = REBUILDABLE.get(func)
+        if index is not None:
+            made = out[index] if isinstance(out, (tuple, list)) else out
+            if (isinstance(made, torch.Tensor) and made.layout == torch.strided
+                    and made._base is None and made.storage_offset() == 0):
+                storage = made.untyped_storage()
+                key = id(storage)
+                self._recipes[key] = (weakref.ref(storage, self._forget(key)),
+                                      Recipe(func, args, kwargs, index, made, self._made_by))
+        return out
+
+    def _forget(self, key: int):
+        recipes = self._recipes
+
+        def gone(_ref) -> None:
+            recipes.pop(key, None)
+        return gone
+
+    def _made_by(self, t: torch.Tensor) -> Optional[Recipe]:
+        found = self._recipes.get(id(t.untyped_storage()))
+        return found[1] if found is not None and found[0]() is t.untyped_storage() else None
+
+    def recipe_for(self, t: torch.Tensor) -> Optional[Recipe]:
+        """The recipe that made ``t``'s storage, unchanged since, or None."""
+        storage = t.untyped_storage()
+        found = self._recipes.get(id(storage))
+        if found is None or found[0]() is not storage:
+            return None
+        recipe = found[1]
+        return recipe if recipe.fits(t) else None
+
+    def __len__(self) -> int:
+        return len(self._recipes)
+
+
+def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """``saved``'s view of the storage, taken of ``rebuilt``'s storage instead."""
+    t = torch.empty(0, dtype=saved.dtype, device=rebuilt.device)
+    return t.set_(rebuilt.untyped_storage(), saved.storage_offset(), saved.shape, saved.stride())
+
+
+def census(forward: Callable[[], object], min_bytes: int = 0) -> dict:
+    """What of the tensors one forward saves for backward could be rebuilt instead of moved.
+
+    Runs ``forward()`` with saved-tensor hooks and a ``Recorder`` on, and returns
+    ``{"saved_bytes", "rebuildable_bytes", "by_op": {op: bytes}, "saved": [(tensor, recipe or
+    None)]}``; storages count once, those under ``min_bytes`` not at all. The tensors are kept
+    in ``saved`` (``view_of`` checks a rebuild against them), so the caller frees them by
+    dropping the result."""
+    seen: Dict[int, object] = {}
+    saved_storages: Dict[int, object] = {}
+    order: List[tuple] = []
+    by_op: Dict[str, int] = collections.defaultdict(int)
+    recorder = Recorder()
+
+    def is_saved(storage) -> bool:
+        return saved_storages.get(id(storage)) is storage
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or not t.layout == torch.strided:
+            return t
+        storage = t.untyped_storage()
+        if id(storage) in seen or storage.nbytes() < min_bytes:
+            return t
+        recipe = recorder.recipe_for(t)
+        if recipe is not None and not recipe.inputs_saved(is_saved):
+            recipe = None
+        seen[id(storage)] = storage
+        saved_storages[id(storage)] = storage
+        order.append((t, recipe))
+        if recipe is not None:
+            by_op[recipe.name] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+        out = forward()
+    total = sum(t.untyped_storage().nbytes() for t, _ in order)
+    rebuildable = sum(by_op.values())
+    return {"saved_bytes": total, "rebuildable_bytes": rebuildable, "by_op": dict(by_op),
+            "saved": order, "output": out}
