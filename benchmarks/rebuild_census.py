@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     rows = [run(name, args.device) for name in args.workloads.split(",")]
-    print(f"| workload | saved (MB) | rebuildable (MB) | share | by op | bit-exact |")
+    print("| workload | saved (MB) | rebuildable (MB) | share | by op | bit-exact |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         ops = ", ".join(f"{op} {b / MB:.1f}" for op, b in sorted(r["by_op"].items()))
