@@ -385,10 +385,11 @@ def _surprised(shed: bool, monkeypatch, steps=6):
     if not shed:
         monkeypatch.setattr(SwapEngine, "_shed", lambda self, level: None)
     device = SimulatedDevice(capacity=190 * MiB, strict=True)
-    state = {"step": 0, "held": None, "fell_back": 0}
+    state = {"backward": 0, "held": None, "fell_back": 0}
 
     def hold():
-        if state["step"] >= 2:
+        state["backward"] += 1
+        if state["backward"] >= 2:
             state["held"] = device.empty(60 * MiB)
 
     def let_go():
@@ -401,19 +402,8 @@ def _surprised(shed: bool, monkeypatch, steps=6):
             state["fell_back"] += 1
             device.empty(60 * MiB // 8)
 
-    model = Scripted(device, on_backward={7: hold, 2: let_go, 4: workspace})
-    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")
-    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
-    grads = []
-    for i in range(steps):
-        state["step"] = i + 1
-        for w in model.weights:
-            w.grad = None
-        with lms:
-            loss = model.step(x0.clone().requires_grad_())
-        loss.backward()
-        grads.append(model.grads())
-    return grads, lms.stats(), state["fell_back"]
+    grads, stats = _train(device, "auto", steps, on_backward={7: hold, 2: let_go, 4: workspace})
+    return grads, stats, state["fell_back"]
 
 
 def test_copies_fetched_ahead_make_way_when_backward_holds_more_than_predicted(monkeypatch):
