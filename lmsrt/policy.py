@@ -255,7 +255,6 @@ class AutoPolicy:
         self._fetch: List[int] = []
         self._reactive = 0
         self.predicted_peak = 0
-        self.predicted: List[int] = []  # the plan's use per point (forward, then backward), from base
         self.why = "learning the model's own use (step 1 swaps every eligible tensor)"
 
     # -- the three levels ----------------------------------------------------------------------
@@ -332,7 +331,6 @@ class AutoPolicy:
                     peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
             else:
                 offload[k] = True
-        self.predicted = peaks
         fwd, bwd = peaks[:n], peaks[n:]
         plan.set_offloaded(offload)
         peak = max(fwd + bwd, default=0)

@@ -52,6 +52,10 @@ _DEPTH = 3             # ops a chain of recipes may reach back (LayerNorm, then 
 _TENSOR = object()      # where a tensor argument goes, in a recipe's flattened arguments
 
 
+def _view(storage, dtype, offset, size, stride) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
 class _Input:
     """A tensor argument of a recipe: its storage (weakly), version and view."""
 
@@ -78,10 +82,11 @@ class _Input:
         if self.parameter is not None:
             return self.parameter()
         storage = self.storage_ref()
-        if storage is None:
-            return None
-        t = torch.empty(0, dtype=self.dtype, device=storage.device)
-        return t.set_(storage, self.offset, self.size, self.stride)
+        return None if storage is None else self.view(storage)
+
+    def view(self, storage) -> torch.Tensor:
+        """The input's view, taken of ``storage`` (its own, or a rebuilt one)."""
+        return _view(storage, self.dtype, self.offset, self.size, self.stride)
 
 
 class Recipe:
@@ -139,7 +144,7 @@ class Recipe:
         for inp in self.inputs:
             t = resolve(inp) if resolve is not None else inp.tensor()
             if t is None and inp.recipe is not None:
-                t = _as_input(inp.recipe.rebuild(resolve), inp)
+                t = inp.view(inp.recipe.rebuild(resolve).untyped_storage())
             if t is None:
                 raise RuntimeError(f"lmsrt: cannot rebuild the output of {self.name}: an input "
                                    "is gone")
@@ -162,11 +167,6 @@ class Recipe:
                                f"({tuple(out.shape)}, {out.stride()}) than it made "
                                f"({self.size}, {self.stride})")
         return out
-
-
-def _as_input(rebuilt: torch.Tensor, inp: _Input) -> torch.Tensor:
-    t = torch.empty(0, dtype=inp.dtype, device=rebuilt.device)
-    return t.set_(rebuilt.untyped_storage(), inp.offset, inp.size, inp.stride)
 
 
 class Recorder(TorchDispatchMode):
@@ -216,8 +216,8 @@ class Recorder(TorchDispatchMode):
 
 def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     """``saved``'s view of the storage, taken of ``rebuilt``'s storage instead."""
-    t = torch.empty(0, dtype=saved.dtype, device=rebuilt.device)
-    return t.set_(rebuilt.untyped_storage(), saved.storage_offset(), saved.shape, saved.stride())
+    return _view(rebuilt.untyped_storage(), saved.dtype, saved.storage_offset(), saved.shape,
+                 saved.stride())
 
 
 def census(forward: Callable[[], object], min_bytes: int = 0) -> dict:
