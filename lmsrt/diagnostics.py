@@ -81,6 +81,15 @@ class Diagnostics:
             "lms_frac (or lms_frac=\"auto\") leaves room. LMS.stats() counts these per step "
             "(alloc_failures)."))
 
+    def rebuild_mismatch(self, ops) -> None:
+        """Rebuilding a saved tensor did not give back its bits (engine.py, NOTE [ Rebuilt
+        storages ]): the check ran beside the copy, so no gradient used the rebuild."""
+        self._warn_once("rebuild", (
+            f"lmsrt: rebuilding the output of {', '.join(ops)} on this device did not give back "
+            "the original bit for bit (a kernel that depends on more than its inputs), so those "
+            "tensors are moved instead, as without recompute; gradients are unaffected (the "
+            "check ran beside the copy). Please report it with the model and the torch version."))
+
     def compiled_region(self, frame) -> None:
         """The storage being saved comes from an autograd.Function called from ``frame``: say
         once if that Function is a torch.compile'd region (AOTAutograd's), whose saves arrive

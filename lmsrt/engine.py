@@ -55,6 +55,20 @@ its storage. So it also catches a kernel that wrote the storage while its D2H co
 it (Rule 1 orders the copy after the writes before the save, not after later ones): that write
 bumps the version.
 
+NOTE [ Rebuilt storages ]
+Under ``recompute`` a storage whose recipe (rebuild.py, NOTE [ Recipes ]) reads only inputs the
+engine holds anyway (parameters, storages saved in this forward: kept, swapped or rebuilt
+themselves) is offloaded without a copy when the engine would otherwise swap it: its source is
+dropped at once, and backward runs the op again at its first use, on its stream, from its inputs
+(a swapped input is brought back for it, early by the little that separates the two uses: an
+op's output is used in backward just before its input). The recipe pins its inputs' entries
+(``pins``), so an input no handle holds any more still outlives it; kept inputs are held by
+their storage. Until a recipe's signature has matched bit for bit on this device, the storage is
+swapped as usual and carries the recipe as a check: its first use rebuilds it beside the copy
+and compares on the GPU (``Rebuilds.check``); the step's end reads the comparisons, and only
+then are that signature's storages rebuilt instead of moved, from the next step on. Prefetch walks
+past rebuilt storages; the plan offloads rebuildable storages first (policy.py).
+
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
 sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its
@@ -75,6 +89,7 @@ from .diagnostics import Diagnostics
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
 from .policy import make_policy
+from .rebuild import Rebuilds
 from .stats import RunStats, StepStats
 from .units import format_bytes
 
@@ -103,7 +118,8 @@ class _Storage:
 
     __slots__ = ("nbytes", "index", "seq", "storage_ref", "version", "stream", "stream_key",
                  "source", "counter", "host", "copy_done", "gpu", "fetch_done", "fetch_waited",
-                 "watches", "unpacked", "generation", "consumed", "dead")
+                 "watches", "unpacked", "generation", "consumed", "dead", "recipe", "check",
+                 "inputs", "pins")
 
     def __init__(self, nbytes: int, seq: int, storage_ref, version: int, stream, stream_key):
         self.nbytes = nbytes
@@ -124,6 +140,12 @@ class _Storage:
         self.generation = 0             # restored copies made so far
         self.consumed = False           # every view handed to backward in this pass
         self.dead = False
+        # NOTE [ Rebuilt storages ]: with a recipe and no host slot, it is rebuilt in backward;
+        # with both, it is swapped and its first use checks a rebuild against the copy.
+        self.recipe = None
+        self.check = False
+        self.inputs: tuple = ()         # what its recipe reads: entries pinned, kept storages held
+        self.pins = 0                   # recipes that will read this storage
 
 
 class _Kept:
@@ -301,6 +323,9 @@ class SwapEngine:
         self.step = StepStats()
         self.limit = device.memory_limit()
         self.policy = make_policy(config.lms_frac, self.limit, self.window)
+        # NOTE [ Rebuilt storages ]; its recorders are entered with the hooks (lms.py).
+        self.rebuilds = Rebuilds(device, self._entry_of) if config.recompute else None
+        self._sigs: dict = {}           # forward point -> signature of its recipe, this step
         self._lock = threading.RLock()
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
@@ -380,6 +405,7 @@ class SwapEngine:
                 s.index = i
             self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
             self._index = self._beyond_plan = 0
+            self._sigs = {}
             self._largest = (0, 0)
             self.host.new_step()
 
@@ -407,7 +433,7 @@ class SwapEngine:
         """Release storages that no handle holds: a pack interrupted before it handed its handle
         to autograd (NOTE [ Interrupts and versions ], b)."""
         for s in self._order:
-            if not s.watches and not s.dead:
+            if not s.watches and not s.pins and not s.dead:
                 self._release(s)
 
     def end_forward(self) -> None:
@@ -445,15 +471,26 @@ class SwapEngine:
             self.diagnostics.alloc_retries(s)
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)
-        followed = self.plan.finish_step()
+        rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
+        followed = self.plan.finish_step(rebuildable)
         self.policy.finish_step(self.plan, followed=followed,
-                                forward_end_use=self._forward_end_use, swapped=s.out_bytes,
+                                forward_end_use=self._forward_end_use,
+                                swapped=s.out_bytes + s.recipe_bytes,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures)
         s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
         self.device.reset_peak()
+
+    def _finish_rebuilds(self, s: StepStats) -> set:
+        """Read the step's bitwise checks and rebuild times; return the forward points whose
+        storages the next step may rebuild (for the plan)."""
+        s.rebuild_ms, s.rebuild_checks, mismatched = self.rebuilds.finish_step()
+        if mismatched:
+            self.diagnostics.rebuild_mismatch(mismatched)
+        trusted = self.rebuilds.trusted
+        return {i for i, sig in self._sigs.items() if sig in trusted}
 
     def current_step(self) -> StepStats:
         """The step in flight, with its peaks read now."""
@@ -589,13 +626,18 @@ class SwapEngine:
             return entry
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
         # stay over the level once they are (else copies that lag forward would look like demand).
+        recipe = None
+        if self.rebuilds is not None:
+            recipe = self.rebuilds.usable(t, self._available)
+            if recipe is not None:
+                self._sigs[index] = recipe.signature
         policy, plan = self.policy, self.plan
         level = 0 if planned else policy.swap_at(plan, index)
         hold = policy.hold_to(plan, index)
         used = None if planned else self._gpu_use(nbytes, level or hold)
         entry = None
         if planned or used - self._held_bytes > level:
-            entry = self._swap_out(t, storage, nbytes, index, ref, version)
+            entry = self._offload(t, storage, nbytes, index, ref, version, recipe)
             if entry is not None and not planned:
                 self._beyond_plan += nbytes
         if entry is None:
@@ -634,6 +676,75 @@ class SwapEngine:
             return estimate
         self._use_read, self._use_delta, self._use_age = self.device.memory_allocated(), 0, 0
         return self._use_read
+
+    def _offload(self, t: torch.Tensor, storage, nbytes: int, seq: int, ref, version: int,
+                 recipe) -> Optional[_Storage]:
+        """Take storage ``seq`` off the GPU: by its recipe when its signature is trusted, else
+        by a copy (checked against its recipe at first use, if it has one: NOTE [ Rebuilt
+        storages ])."""
+        if recipe is not None and recipe.signature in self.rebuilds.trusted:
+            return self._as_recipe(t, nbytes, seq, ref, version, recipe)
+        s = self._swap_out(t, storage, nbytes, seq, ref, version)
+        if s is not None and recipe is not None:
+            s.recipe, s.check = recipe, True
+            self._pin_inputs(s)
+        return s
+
+    def _as_recipe(self, t: torch.Tensor, nbytes: int, seq: int, ref, version: int,
+                   recipe) -> _Storage:
+        key = self.device.stream_key()
+        stream = self.compute if key == self._compute_key else self.device.stream_of(key)
+        s = _Storage(nbytes, seq, ref, version, stream, key)
+        s.recipe = recipe
+        s.counter = _counter_only(t.detach())   # NOTE [ Interrupts and versions ], c
+        self._pin_inputs(s)
+        s.index = len(self._order)
+        self._order.append(s)       # from here the step boundary releases it if orphaned
+        self.step.recipe_bytes += nbytes
+        self.step.recipe_tensors += 1
+        return s
+
+    def _entry_of(self, t: torch.Tensor):
+        """What this forward made of saved tensor ``t``'s storage (a recorder asks, for the
+        inputs of the ops it records), or None."""
+        storage = t.untyped_storage()
+        entry = self._by_ptr.get(storage.data_ptr())
+        if (entry is None or entry.dead or entry.storage_ref() is not storage
+                or entry.version != t._version):
+            return None
+        return entry
+
+    @staticmethod
+    def _available(inp) -> bool:
+        """Whether a recipe input's entry will still be there in backward (once pinned)."""
+        entry = inp.entry
+        if entry is None or entry.dead:
+            return False
+        return type(entry) is not _Kept or entry.storage_ref() is not None
+
+    @staticmethod
+    def _pin_inputs(s: _Storage) -> None:
+        held = []
+        for inp in s.recipe.walk():
+            entry = inp.entry
+            if entry is None:
+                continue
+            if type(entry) is _Kept:
+                storage = entry.storage_ref()
+                if storage is not None:
+                    held.append(storage)
+            else:
+                entry.pins += 1
+                held.append(entry)
+        s.inputs = tuple(held)
+
+    def _unpin_inputs(self, s: _Storage) -> None:
+        inputs, s.inputs = s.inputs, ()
+        for entry in inputs:
+            if type(entry) is _Storage:
+                entry.pins -= 1
+                if not entry.pins and not entry.watches and not entry.dead:
+                    self._release(entry)
 
     def _swap_out(self, t: torch.Tensor, storage, nbytes: int, seq: int, ref,
                   version: int) -> Optional[_Storage]:
@@ -760,6 +871,8 @@ class SwapEngine:
                                   f"tensor of shape {tuple(ref.size)}, whose storage of "
                                   f"{format_bytes(s.nbytes)} did not fit")
                 raise
+            if s.check:
+                self._check_rebuild(s, data)
             if self._rec is not None:
                 self._rec.used_at(s.seq, self._bwd_point)
             watch = ref.watch
@@ -788,7 +901,10 @@ class SwapEngine:
             raise _modified_error(kind, ref.size, ref.producer, now, ref.version,
                                   "swapped to host memory")
 
-    def _resident(self, s: _Storage) -> torch.Tensor:
+    def _resident(self, s: _Storage, for_recipe: bool = False) -> torch.Tensor:
+        """``s``'s bytes on the GPU, ready for the current stream: its source, a restored or
+        rebuilt copy, or the storage itself where it lives on. ``for_recipe``: wanted as the
+        input of a rebuild, which may come after backward's own last use of it."""
         if s.source is not None:
             return s.source
         if s.gpu is None:
@@ -801,10 +917,13 @@ class SwapEngine:
                     self.step.live_bytes += s.nbytes
                     self.step.live_tensors += 1
                 return torch.empty(0, dtype=torch.uint8, device=live.device).set_(live)
-            self.step.prefetch_misses += 1
-            if s.consumed:
+            if s.consumed and not for_recipe:
                 self._new_pass(s)
-            self._fetch(s)
+            if s.host is None and s.recipe is not None:
+                self._rebuild(s)
+            else:
+                self.step.prefetch_misses += 1
+                self._fetch(s)
         else:
             self.step.prefetch_hits += 1
         if not s.fetch_waited:
@@ -812,9 +931,62 @@ class SwapEngine:
         key = self.device.stream_key()
         if key != s.stream_key:                            # Rule 3: another consumer stream
             consumer = self.device.stream_of(key)
-            s.fetch_done.wait(consumer)
+            done = s.fetch_done
+            if done is None:                               # rebuilt, on its own stream
+                done = self.device.new_event()
+                done.record(s.stream)
+            done.wait(consumer)
             s.gpu.record_stream(consumer)
         return s.gpu
+
+    def _rebuild(self, s: _Storage) -> None:
+        """Run ``s``'s recipe again, on its own stream (NOTE [ Rebuilt storages ])."""
+        if s.stream_key == self.device.stream_key():
+            out = self.rebuilds.run(s.recipe, self._recipe_input)
+        else:
+            with self.device.stream(s.stream):
+                out = self.rebuilds.run(s.recipe, self._recipe_input)
+        storage = out.untyped_storage()
+        self.device.note_saved(storage)
+        s.gpu = torch.empty(0, dtype=torch.uint8, device=out.device).set_(storage)
+        s.fetch_done, s.fetch_waited, s.unpacked = None, True, 0
+        s.generation += 1
+        self._ahead += s.nbytes
+        self._use_delta += s.nbytes
+        self.step.rebuilt_bytes += s.nbytes
+        self.step.rebuilt_tensors += 1
+
+    def _recipe_input(self, inp) -> Optional[torch.Tensor]:
+        """A rebuild's input as its op saw it (``Recipe.rebuild``'s ``resolve``); None for one
+        the engine did not save, which its own recipe rebuilds."""
+        entry = inp.entry
+        if entry is None:
+            return inp.tensor() if inp.parameter is not None else None
+        if type(entry) is _Kept:
+            storage = entry.storage_ref()
+            return None if storage is None else inp.view(storage)
+        alias = entry.source if entry.source is not None else entry.counter
+        if alias is not None and alias._version != entry.version:
+            kind = torch.empty(0, dtype=inp.dtype, device=self.device.torch_device).type()
+            raise _modified_error(kind, inp.size, None,
+                                  alias._version, entry.version,
+                                  "is the input from which lmsrt rebuilds a saved tensor")
+        return inp.view(self._resident(entry, for_recipe=True).untyped_storage())
+
+    def _check_rebuild(self, s: _Storage, data: torch.Tensor) -> None:
+        """The first use of a swapped storage with a recipe: rebuild it beside the copy and
+        queue the bitwise comparison (NOTE [ Rebuilt storages ]). Only a check: whatever goes
+        wrong in it, backward goes on with the copy, and the signature is not trusted."""
+        s.check = False
+        try:
+            original = torch.empty(0, dtype=torch.uint8, device=data.device).set_(
+                data.untyped_storage())
+            self.rebuilds.check(s.recipe, original, self._recipe_input)
+        except Exception:       # noqa: BLE001 - e.g. an input modified in place: not trusted
+            pass
+        finally:
+            s.recipe = None
+            self._unpin_inputs(s)
 
     def _wait_fetch(self, s: _Storage) -> None:
         stream = s.stream
@@ -895,7 +1067,7 @@ class SwapEngine:
         while self._cursor >= 0:
             s = order[self._cursor]
             if (s.dead or s.consumed or s.gpu is not None or s.source is not None
-                    or s.storage_ref() is not None):
+                    or s.host is None or s.storage_ref() is not None):
                 self._cursor -= 1
                 continue
             if (self._ahead or level) and (self._ahead + s.nbytes > self.window
@@ -924,7 +1096,8 @@ class SwapEngine:
             if use <= level or not self._ahead:
                 return
             s = order[k]
-            if s.gpu is None or s.unpacked or s.consumed or s.source is not None:
+            if (s.gpu is None or s.unpacked or s.consumed or s.source is not None
+                    or s.fetch_done is None):                  # rebuilt: not a prefetch
                 continue
             self._order_after(s, s.fetch_done)                 # Rule 4
             self._drop_restored(s)
@@ -948,7 +1121,7 @@ class SwapEngine:
             if watch.generation == s.generation and id(watch) in s.watches:
                 s.unpacked -= 1
             s.watches.discard(id(watch))
-            if not s.watches:
+            if not s.watches and not s.pins:
                 self._release(s)
             dead.popleft()
 
@@ -966,6 +1139,8 @@ class SwapEngine:
         if slot is not None:
             self.host.free(slot)                           # Rule 5
             s.host = None
+        if s.inputs:
+            self._unpin_inputs(s)
 
     def close(self) -> None:
         """Wait for copies in flight and give back pinned memory. The engine is unusable after:
@@ -981,6 +1156,7 @@ class SwapEngine:
                 self._reap()
                 for s in self._order:
                     s.source = s.gpu = s.host = None
+                    s.inputs = ()
                 self._held.clear()
                 self._held_bytes = self._ahead = 0
                 self._order.clear()

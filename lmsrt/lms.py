@@ -221,11 +221,18 @@ class LMS:
             engine._pop_stale_hooks(threading.get_ident())
         torch._C._autograd._push_saved_tensors_default_hooks(engine.pack, engine.unpack)
         self._active.hooks = True
+        if engine.rebuilds is not None:
+            # Records how cheap ops made their outputs (engine.py, NOTE [ Rebuilt storages ]).
+            self._active.recorder = engine.rebuilds.recorder().__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         pushed = getattr(self._active, "hooks", None)
         self._active.hooks = None
+        recorder = getattr(self._active, "recorder", None)
+        if recorder is not None:
+            self._active.recorder = None
+            recorder.__exit__(None, None, None)
         if pushed:
             engine = self._engine
             pop_own_hooks(engine)

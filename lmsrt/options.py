@@ -61,6 +61,23 @@ def _check_device(value: object) -> Optional[str]:
     return value
 
 
+_ON, _OFF = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
+
+
+def _check_switch(name: str) -> Callable[[object], bool]:
+    """The check of an on/off setting ``name``: a bool, or one of the words of ``_ON``/``_OFF``
+    (as its variable and flag give it)."""
+    def switch(value: object) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _ON + _OFF:
+            return value.strip().lower() in _ON
+        raise (ValueError if isinstance(value, str) else TypeError)(
+            f"{name} must be True or False (on or off), got {type(value).__name__} "
+            f"{_shown(value)}; give e.g. {name}=True")
+    return switch
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One setting. A number unless ``check`` replaces the number check (``device``): a byte
@@ -117,6 +134,13 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            what="GiB, >= 0, or None for 80% of the free host memory", example="64",
            metavar="G", help="Most pinned host memory per process.", give="GiB per process",
            unit="GiB", scale=GiB, none=True),
+    Option("recompute", False, bool, "LMSRT_RECOMPUTE", "--recompute",
+           doc="rebuild cheap saved tensors in backward (GELU's and LayerNorm's outputs, "
+               "autocast's casts) from their inputs instead of moving them, where lmsrt would "
+               "otherwise swap them; each kind is first checked bit for bit against a copy.",
+           what="on or off", example="on", metavar="on|off",
+           help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) instead of moving them.",
+           give="on or off", check=_check_switch("recompute")),
     Option("device", None, Optional[str], "LMSRT_DEVICE", None,
            doc="``\"cuda\"``, ``\"cuda:N\"``, ``\"sim\"`` (CPU tensors stand in for GPU ones, "
                "for tests) or ``None`` (the current CUDA device; without one LMS is a no-op).",
@@ -136,12 +160,16 @@ def spelled(name: str, value: object = None) -> str:
 
 
 def format_setting(value: object) -> str:
-    """A setting's value as a person reads it: ``0.75``, ``auto``, ``None``."""
+    """A setting's value as a person reads it: ``0.75``, ``auto``, ``on``, ``None``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return value if isinstance(value, str) else "None" if value is None else f"{value:g}"
 
 
 def env_value(value: object) -> str:
     """A setting's value as its ``LMSRT_*`` variable holds it, exactly (``repr`` of a float)."""
+    if isinstance(value, bool):
+        return format_setting(value)
     return value if isinstance(value, str) else repr(value)
 
 

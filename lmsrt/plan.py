@@ -8,6 +8,9 @@ decision (policy.py: a fixed mark's target in bytes, or the smallest cutoff whos
 fits). A sequence that differs (dynamic shapes) makes the rest of that step reactive and is
 recorded for the next one.
 
+Storages that the engine may rebuild in backward instead of moving (``rebuildable``: engine.py,
+NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes them first.
+
 Storages that outlived last step's backward anyway (an input batch, a buffer, a frozen weight
 held as a tensor) are kept: copying them out frees nothing. That set is relearnt every
 ``_RELEARN_LIVE`` steps, so a tensor a script held once, for a log, is not pinned for good.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import List
+from typing import List, Optional
 
 __all__ = ["OffloadPlan"]
 
@@ -37,6 +40,7 @@ class OffloadPlan:
         self.live: set = set()          # indices whose storage outlived the step anyway
         self.live_now: set = set()      # the same, seen in this step's backward
         self.live_age = 0               # steps since the live set was last relearnt
+        self.rebuildable: set = set()   # indices the engine may rebuild instead of moving
 
     @property
     def mode(self) -> str:
@@ -66,10 +70,12 @@ class OffloadPlan:
     def mark_live(self, index: int) -> None:
         self.live_now.add(index)
 
-    def finish_step(self) -> bool:
+    def finish_step(self, rebuildable: Optional[set] = None) -> bool:
         """Start recording the next step; return whether the one just finished followed the
-        plan. The policy then sets the target (``set_target`` or ``set_cutoff``)."""
+        plan. ``rebuildable``: the indices of the step just finished that the next may rebuild
+        instead of moving. The policy then sets the target (``set_target`` or ``set_cutoff``)."""
         followed = self.followed
+        self.rebuildable = rebuildable or set()
         self.live_age = self.live_age + 1 if followed and self.live_age < _RELEARN_LIVE else 0
         self.live, self.live_now = self.live_now | (self.live if self.live_age else set()), set()
         self.recorded, self.current = self.current, []
@@ -80,12 +86,22 @@ class OffloadPlan:
     def set_target(self, target: int) -> None:
         """Offload the earliest storages whose sizes add up to at least ``target`` bytes (at
         most all of them: a target past what the step saves, grown by GPU use that is not
-        lmsrt's, would otherwise pin host memory for nothing)."""
+        lmsrt's, would otherwise pin host memory for nothing); rebuildable ones first."""
         cumulative = list(itertools.accumulate(self.recorded))
         self.target = min(max(0, int(target)), cumulative[-1] if cumulative else 0)
         self.chosen = []
         self.cutoff = min(len(cumulative), bisect.bisect_left(cumulative, self.target) + 1) \
             if self.target > 0 else 0
+        if self.rebuildable and self.target > 0:
+            chosen, left = [False] * len(self.recorded), self.target
+            first = sorted(i for i in self.rebuildable if i < len(chosen))
+            rest = (i for i in range(len(chosen)) if i not in self.rebuildable)
+            for i in itertools.chain(first, rest):
+                if left <= 0:
+                    break
+                chosen[i] = True
+                left -= self.recorded[i]
+            self.set_offloaded(chosen)
 
     def set_cutoff(self, cutoff: int) -> None:
         """Offload the storages before ``cutoff``."""

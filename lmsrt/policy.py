@@ -250,6 +250,7 @@ class AutoPolicy:
         self._base = 0
         self._cutoff = -1
         self._planned_for = None       # the budget the current plan was made for
+        self._planned_rebuildable: set = set()   # and the storages it could rebuild
         self._swap: List[int] = []
         self._hold: List[int] = []
         self._fetch: List[int] = []
@@ -310,18 +311,23 @@ class AutoPolicy:
         prof = self.profile
         budget = self.bound - base - self.correction
         if (self._planned_for is not None and abs(budget - self._planned_for) < self.limit >> _REPLAN
-                and len(plan.recorded) == len(prof.sizes)):
+                and len(plan.recorded) == len(prof.sizes)
+                and plan.rebuildable == self._planned_rebuildable):
             return                       # the same plan, give or take a few MiB of use
         self._planned_for = budget
+        self._planned_rebuildable = rebuildable = plan.rebuildable
         n, p = len(prof.sizes), len(prof.bwd_own)
         live = plan.live | prof.live
         # Keep storages from the last saved down (backward needs them first), each one whose
         # bytes fit under the budget at every point from its save to its last use; offload the
         # rest. (Keeping a plain suffix would have to keep the last storages first, which are
-        # often the largest and alive at the peak: an LM's fp32 log-softmax output.)
+        # often the largest and alive at the peak: an LM's fp32 log-softmax output.) Storages
+        # the engine can rebuild cost no copy to offload: they are kept only with the room that
+        # the others leave.
         peaks = prof.fwd_peak + prof.bwd_peak        # points through forward, then backward
         offload = [False] * n
-        for k in range(n - 1, -1, -1):
+        down = range(n - 1, -1, -1)
+        for k in [k for k in down if k not in rebuildable] + [k for k in down if k in rebuildable]:
             size = prof.sizes[k]
             if k in live or not size:
                 continue
@@ -353,11 +359,15 @@ class AutoPolicy:
         self._fetch = fetch
         self._reactive = base + budget - prof.growth()
         count = sum(offload)
-        moved = sum(size for size, out in zip(prof.sizes, offload) if out)
+        moved = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
+                    if out and k not in rebuildable)
+        rebuilt = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
+                      if out and k in rebuildable)
         self._cutoff = count
         gib = 2**30
-        self.why = (f"offloads {count} of {n} saved storages ({moved / gib:.2f} GiB, the "
-                    f"earliest) so that the predicted peak, {(base + peak) / gib:.2f} GiB, "
+        also = f", {rebuilt / gib:.2f} GiB rebuilt instead" if rebuilt else ""
+        self.why = (f"offloads {count} of {n} saved storages ({moved / gib:.2f} GiB moved, the "
+                    f"earliest{also}) so that the predicted peak, {(base + peak) / gib:.2f} GiB, "
                     f"stays under {self.bound / gib:.2f} GiB" if count else
                     f"keeps everything on the GPU: the predicted peak, {(base + peak) / gib:.2f} "
                     f"GiB, is under {self.bound / gib:.2f} GiB")

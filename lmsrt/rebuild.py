@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["REBUILDABLE", "Recipe", "Recorder", "census", "view_of"]
+__all__ = ["REBUILDABLE", "Recipe", "Recorder", "Rebuilds", "census", "view_of"]
 
 _aten = torch.ops.aten
 
@@ -50,6 +50,9 @@ REBUILDABLE: Dict[object, int] = {
 
 _DEPTH = 3             # ops a chain of recipes may reach back (LayerNorm, then a cast)
 _TENSOR = object()      # where a tensor argument goes, in a recipe's flattened arguments
+# Autocast must not touch a rebuild: the recorded op is the one that ran below it.
+_AUTOCAST = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+             | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA))
 
 
 def _view(storage, dtype, offset, size, stride) -> torch.Tensor:
@@ -60,14 +63,15 @@ class _Input:
     """A tensor argument of a recipe: its storage (weakly), version and view."""
 
     __slots__ = ("storage_ref", "tensor_ref", "version", "dtype", "size", "stride", "offset",
-                 "parameter", "recipe")
+                 "parameter", "recipe", "entry")
 
-    def __init__(self, t: torch.Tensor, recipe: Optional["Recipe"]):
+    def __init__(self, t: torch.Tensor, recipe: Optional["Recipe"], entry: object = None):
         self.storage_ref = weakref.ref(t.untyped_storage())
         self.recipe = recipe          # how this input was made, if it was by a listed op
-        # Its version counter lives as long as the tensor or a view of it (a view holds its
+        self.entry = entry            # what the swap engine made of it when it was saved, if it was
+        # Its version counter lives as long as its base or a view of it (a view holds its
         # base): with all of them gone, nothing can write it in place any more.
-        self.tensor_ref = weakref.ref(t)
+        self.tensor_ref = weakref.ref(t if t._base is None else t._base)
         self.version = t._version
         self.dtype, self.size, self.stride = t.dtype, tuple(t.shape), t.stride()
         self.offset = t.storage_offset()
@@ -89,39 +93,59 @@ class _Input:
         return _view(storage, self.dtype, self.offset, self.size, self.stride)
 
 
+def _hashable(a):
+    if isinstance(a, (list, tuple)):
+        return tuple(_hashable(b) for b in a)
+    return "tensor" if a is _TENSOR else a
+
+
 class Recipe:
     """How to make a saved tensor again: ``func(*args, **kwargs)[index]``, with the tensor
     arguments given by ``inputs`` (NOTE [ Recipes ])."""
 
     __slots__ = ("func", "spec", "flat", "inputs", "index", "version", "dtype", "size",
-                 "stride", "offset", "nbytes", "__weakref__")
+                 "stride", "offset", "nbytes", "_signature", "__weakref__")
 
     def __init__(self, func, args, kwargs, index: int, out: torch.Tensor,
-                 made_by: Callable[[torch.Tensor], Optional["Recipe"]] = lambda t: None):
+                 describe: Callable[[torch.Tensor], _Input] = lambda t: _Input(t, None)):
         self.func, self.index = func, index
         flat, self.spec = tree_flatten((args, kwargs))
-        self.inputs: List[_Input] = [_Input(a, made_by(a)) for a in flat
-                                     if isinstance(a, torch.Tensor)]
+        self.inputs: List[_Input] = [describe(a) for a in flat if isinstance(a, torch.Tensor)]
         # The arguments with each tensor's place marked, filled in again by ``rebuild``.
         self.flat = [_TENSOR if isinstance(a, torch.Tensor) else a for a in flat]
         self.version = out._version
         self.dtype, self.size, self.stride = out.dtype, tuple(out.shape), out.stride()
         self.offset = out.storage_offset()
         self.nbytes = out.untyped_storage().nbytes()
+        self._signature = None
 
     @property
     def name(self) -> str:
         return str(self.func.overloadpacket.__name__)
+
+    @property
+    def signature(self) -> tuple:
+        """What decides which kernel runs and what it computes: the op, its other arguments,
+        and each input's dtype, shape, strides and offset (the offset sets its alignment: the
+        engine's copies of an input start where the allocator's blocks do). Rebuilds of one
+        signature are checked bit for bit once (``Rebuilds``), then trusted."""
+        if self._signature is None:
+            self._signature = (
+                self.func, self.spec, _hashable(self.flat), self.dtype, self.size,
+                self.stride,
+                tuple((i.dtype, i.size, i.stride, i.offset,
+                       None if i.recipe is None else i.recipe.signature) for i in self.inputs))
+        return self._signature
 
     def fits(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (the output or a view of it: a Linear saves its input reshaped) is as
         the op made it: nothing wrote its storage since (views share one version counter)."""
         return t._version == self.version and t.untyped_storage().nbytes() == self.nbytes
 
-    def inputs_saved(self, saved: Callable[[object], bool], depth: int = _DEPTH) -> bool:
-        """Whether every tensor input is a parameter, or a storage for which ``saved`` is true,
-        alive and unchanged since the op ran, or was itself made by a recipe whose inputs are
-        (a LayerNorm's output cast to bf16 by autocast: the fp32 output is not saved, the
+    def inputs_saved(self, saved: Callable[[_Input], bool], depth: int = _DEPTH) -> bool:
+        """Whether every tensor input is a parameter, or an input for which ``saved`` is true,
+        unchanged since the op ran, or was itself made by a recipe whose inputs are (a
+        LayerNorm's output cast to bf16 by autocast: the fp32 output is not saved, the
         LayerNorm's input is), at most ``depth`` ops deep."""
         for inp in self.inputs:
             if inp.parameter is not None:
@@ -129,17 +153,25 @@ class Recipe:
                 if p is None or p._version != inp.version:
                     return False
                 continue
-            storage = inp.storage_ref()
-            if storage is not None and saved(storage) and inp.unchanged():
+            if saved(inp) and inp.unchanged():
                 continue
             if inp.recipe is None or depth == 0 or not inp.recipe.inputs_saved(saved, depth - 1):
                 return False
         return True
 
+    def walk(self):
+        """The inputs a rebuild reads: this recipe's, and for one that the engine did not save
+        (no ``entry``) and made by a recipe, that recipe's, depth first."""
+        for inp in self.inputs:
+            yield inp
+            if inp.entry is None and inp.recipe is not None:
+                yield from inp.recipe.walk()
+
     def rebuild(self, resolve: Optional[Callable[[_Input], torch.Tensor]] = None) -> torch.Tensor:
         """Run the op again and return its output (whose storage stands in for the old one:
         a saved view is taken of it as of the old). ``resolve`` gives each input's tensor (the
-        engine's restored copy of a swapped input); by default the input's own storage."""
+        engine's restored copy of a swapped input), None for one it does not have; by default
+        the input's own storage."""
         tensors = []
         for inp in self.inputs:
             t = resolve(inp) if resolve is not None else inp.tensor()
@@ -158,7 +190,7 @@ class Recipe:
         given = iter(tensors)
         flat = [next(given) if a is _TENSOR else a for a in self.flat]
         args, kwargs = tree_unflatten(flat, self.spec)
-        with torch.no_grad(), _disable_current_modes():
+        with torch.no_grad(), _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
             out = self.func(*args, **kwargs)
         if isinstance(out, (tuple, list)):
             out = out[self.index]
@@ -170,36 +202,39 @@ class Recipe:
 
 
 class Recorder(TorchDispatchMode):
-    """Notes a ``Recipe`` for each output of an op in ``REBUILDABLE`` made while it is on."""
+    """Notes a ``Recipe`` for each output of an op in ``REBUILDABLE`` made while it is on, in
+    forward (not in backward: what backward makes is not saved for it).
 
-    def __init__(self):
+    ``recipes`` is the table it writes (recorders of several threads share one); ``entry_of``
+    tells, for a tensor input, what the swap engine made of it if it saved it (inputs are saved
+    before their op runs, so it is known here; the engine may have let the input's storage go
+    by the time the op's output is saved)."""
+
+    def __init__(self, recipes: Optional[dict] = None,
+                 entry_of: Callable[[torch.Tensor], object] = lambda t: None):
         super().__init__()
-        self._recipes: Dict[int, tuple] = {}     # id(output storage) -> (storage ref, recipe)
+        self._recipes: Dict[int, tuple] = {} if recipes is None else recipes
+        self._entry_of = entry_of
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         index = REBUILDABLE.get(func)
-        if index is not None:
+        if index is not None and torch._C._current_graph_task_id() == -1:
             made = out[index] if isinstance(out, (tuple, list)) else out
             if (isinstance(made, torch.Tensor) and made.layout == torch.strided
                     and made._base is None and made.storage_offset() == 0):
                 storage = made.untyped_storage()
                 key = id(storage)
-                self._recipes[key] = (weakref.ref(storage, self._forget(key)),
-                                      Recipe(func, args, kwargs, index, made, self._made_by))
+                self._recipes[key] = (weakref.ref(storage, _forget(self._recipes, key)),
+                                      Recipe(func, args, kwargs, index, made, self._input))
         return out
 
-    def _forget(self, key: int):
-        recipes = self._recipes
-
-        def gone(_ref) -> None:
-            recipes.pop(key, None)
-        return gone
-
-    def _made_by(self, t: torch.Tensor) -> Optional[Recipe]:
+    def _input(self, t: torch.Tensor) -> _Input:
         found = self._recipes.get(id(t.untyped_storage()))
-        return found[1] if found is not None and found[0]() is t.untyped_storage() else None
+        made_by = found[1] if found is not None and found[0]() is t.untyped_storage() else None
+        entry = None if isinstance(t, torch.nn.Parameter) else self._entry_of(t)
+        return _Input(t, made_by, entry)
 
     def recipe_for(self, t: torch.Tensor) -> Optional[Recipe]:
         """The recipe that made ``t``'s storage, unchanged since, or None."""
@@ -212,6 +247,106 @@ class Recorder(TorchDispatchMode):
 
     def __len__(self) -> int:
         return len(self._recipes)
+
+
+def _forget(recipes: dict, key: int):
+    def gone(_ref) -> None:
+        recipes.pop(key, None)
+    return gone
+
+
+# A rebuild is worth it while its kernel takes less time than its bytes take over the link one
+# way (half the ~55 GB/s measured for pinned copies: a bound no listed op comes near; they are
+# memory-bound, ~100x faster).
+_LINK_BYTES_PER_S = 25e9
+
+
+class Rebuilds:
+    """What a swap engine knows of rebuilding (NOTE [ Recipes ]): the recipe table its threads'
+    recorders write, which signatures have been checked bit for bit, and the rebuilds' GPU time.
+
+    A signature is trusted only after a rebuild of it matched the original bit for bit on this
+    device: until then the engine swaps the tensor as usual and, when backward brings it back,
+    rebuilds it too and compares (``check``); the comparisons are read once, at the end of the
+    step (``finish_step``). A mismatch, or a rebuild slower than the copy it saves, and that
+    signature is never rebuilt again in this run."""
+
+    def __init__(self, device, entry_of: Callable[[torch.Tensor], object]):
+        self.device = device
+        self.recipes: Dict[int, tuple] = {}
+        self.entry_of = entry_of
+        self.trusted: set = set()
+        self.refused: Dict[tuple, str] = {}      # signature -> why it is not rebuilt
+        self._checks: list = []                  # (recipe, differs?, start, end), this step
+        self._timed: list = []                   # (start, end) of rebuilds in backward
+
+    def recorder(self) -> Recorder:
+        """A recorder for one thread, writing this table."""
+        return Recorder(self.recipes, self.entry_of)
+
+    def usable(self, t: torch.Tensor, available: Callable[[_Input], bool]) -> Optional[Recipe]:
+        """The recipe of saved tensor ``t`` if there is one, not refused, whose inputs are all
+        ``available``."""
+        storage = t.untyped_storage()
+        found = self.recipes.get(id(storage))
+        if found is None or found[0]() is not storage:
+            return None
+        recipe = found[1]
+        if not recipe.fits(t) or recipe.signature in self.refused:
+            return None
+        return recipe if recipe.inputs_saved(available) else None
+
+    def run(self, recipe: Recipe, resolve: Callable[[_Input], Optional[torch.Tensor]]):
+        """Rebuild ``recipe``'s output (timed on the GPU)."""
+        start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
+        start.record()
+        out = recipe.rebuild(resolve)
+        end.record()
+        self._timed.append((start, end))
+        return out
+
+    def check(self, recipe: Recipe, original: torch.Tensor,
+              resolve: Callable[[_Input], Optional[torch.Tensor]]) -> None:
+        """Rebuild ``recipe``'s output and queue a bitwise comparison with ``original`` (the
+        storage's bytes, as uint8) on the GPU; read at the end of the step."""
+        start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
+        start.record()
+        out = recipe.rebuild(resolve)
+        end.record()
+        rebuilt = torch.empty(0, dtype=torch.uint8, device=out.device).set_(out.untyped_storage())
+        differs = torch.ne(rebuilt, original).any()
+        self._checks.append((recipe, differs, start, end))
+
+    def finish_step(self) -> tuple:
+        """Read this step's comparisons (one device sync when there were any) and the rebuilds'
+        time; return (rebuild ms, checks made, names of the ops that did not match)."""
+        checks, self._checks = self._checks, []
+        if checks:
+            self.device.synchronize()   # the comparisons ran on backward's streams
+        ms, pending = 0.0, []
+        for start, end in self._timed:
+            if end.query():
+                ms += start.elapsed_time(end)
+            else:
+                pending.append((start, end))
+        self._timed = pending
+        if not checks:
+            return ms, 0, []
+        differs = torch.stack([d for _, d, _, _ in checks]).cpu().tolist()
+        mismatched = []
+        for (recipe, _, start, end), bad in zip(checks, differs):
+            sig = recipe.signature
+            if bad:
+                self.refused[sig] = "did not rebuild bit for bit"
+                self.trusted.discard(sig)
+                mismatched.append(recipe.name)
+            elif sig not in self.refused:
+                took = start.elapsed_time(end) / 1e3
+                if took > recipe.nbytes / _LINK_BYTES_PER_S:
+                    self.refused[sig] = f"rebuilt in {took * 1e3:.2f} ms, slower than a copy"
+                else:
+                    self.trusted.add(sig)
+        return ms, len(checks), sorted(set(mismatched))
 
 
 def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
@@ -234,8 +369,9 @@ def census(forward: Callable[[], object], min_bytes: int = 0) -> dict:
     by_op: Dict[str, int] = collections.defaultdict(int)
     recorder = Recorder()
 
-    def is_saved(storage) -> bool:
-        return saved_storages.get(id(storage)) is storage
+    def is_saved(inp) -> bool:
+        storage = inp.storage_ref()
+        return storage is not None and saved_storages.get(id(storage)) is storage
 
     def pack(t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or not t.layout == torch.strided:

@@ -25,6 +25,12 @@ class StepStats:
     live_bytes: int = 0            # eligible but alive anyway (the caller holds them): kept from
                                    # the step after, used in place if already swapped
     live_tensors: int = 0
+    recipe_bytes: int = 0          # offloaded without a copy: rebuilt in backward (recompute)
+    recipe_tensors: int = 0
+    rebuilt_bytes: int = 0         # rebuilt in backward from their inputs
+    rebuilt_tensors: int = 0
+    rebuild_ms: float = 0.0        # GPU time of those rebuilds
+    rebuild_checks: int = 0        # rebuilds checked bit for bit against a copy
     in_bytes: int = 0              # brought back for backward
     in_tensors: int = 0
     prefetch_hits: int = 0         # needed tensor was already fetched ahead
@@ -56,7 +62,8 @@ class StepStats:
 
 
 _SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors",
-           "live_bytes", "live_tensors", "in_bytes",
+           "live_bytes", "live_tensors", "recipe_bytes", "recipe_tensors", "rebuilt_bytes",
+           "rebuilt_tensors", "rebuild_ms", "rebuild_checks", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "prefetch_dropped", "swapin_wait_ms", "swapout_waits",
            "host_refused", "alloc_retries", "alloc_failures", "host_pin_s", "host_pin_wait_s", "host_lagged",
            "host_given_back_bytes")
@@ -124,6 +131,11 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("swapped out", last["out_bytes"], t["out_bytes"]),
         ("  tensors", last["out_tensors"], t["out_tensors"]),
         ("swapped in", last["in_bytes"], t["in_bytes"]),
+        *([("rebuilt, not moved", last["recipe_bytes"], t["recipe_bytes"]),
+           ("  rebuilt in backward", last["rebuilt_bytes"], t["rebuilt_bytes"]),
+           ("  rebuild GPU (ms)", last["rebuild_ms"], t["rebuild_ms"]),
+           ("  checked bit for bit", last["rebuild_checks"], t["rebuild_checks"])]
+          if stats["config"].get("recompute") else []),
         ("  prefetch hits", last["prefetch_hits"], t["prefetch_hits"]),
         ("  prefetch misses", last["prefetch_misses"], t["prefetch_misses"]),
         ("  prefetch dropped", last["prefetch_dropped"], t["prefetch_dropped"]),
@@ -150,6 +162,7 @@ def format_summary(stats: Dict[str, object]) -> str:
             elif isinstance(v, str):
                 cells.append(f"{v:>14}")
             elif "bytes" in name or name in ("swapped out", "swapped in", "kept on GPU",
+                                             "rebuilt, not moved", "  rebuilt in backward",
                                              "kept, alive anyway", "GPU peak allocated",
                                              "host pinned peak", "host pinned"):
                 cells.append(f"{_gib(v):>14}")

@@ -1,7 +1,10 @@
 """Recipes for saved tensors (rebuild.py, NOTE [ Recipes ]): which saved tensors a cheap op made
-from inputs that stay available, and that running the op again gives the same bits."""
+from inputs that stay available, and that running the op again gives the same bits; and the
+engine rebuilding them in backward instead of moving them (engine.py, NOTE [ Rebuilt storages ]),
+with gradients compared by torch.equal against the run without LMS."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import weakref
@@ -11,7 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmsrt.rebuild import Recorder, census, view_of
+import lmsrt
+from lmsrt.device import SimulatedDevice
+from lmsrt.plan import OffloadPlan
+from lmsrt.rebuild import Recipe, Recorder, census, view_of
+from models import DEVICES, Block, assert_same, lmsrt_warnings, make_lms, torch_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from workloads import GPTBlock  # noqa: E402
@@ -101,3 +108,284 @@ def test_a_recorder_keeps_nothing_alive():
     gc.collect()
     assert gone() is None and len(rec) == 0
     assert a is not None
+
+
+# -- the engine rebuilds ---------------------------------------------------------------------
+
+def _train(model, x, lms=None, autocast=False, create_graph=False, backward=None):
+    """One step: (loss, gradients). ``backward(out)`` replaces the usual loss and backward."""
+    model.zero_grad(set_to_none=True)
+    with lms if lms is not None else contextlib.nullcontext():
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+    if backward is not None:
+        loss = backward(out)
+    else:
+        loss = out.float().square().mean()
+        if create_graph:
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            sum(g.square().sum() for g in grads).backward()
+        else:
+            loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _steps(lms):
+    stats = lms.stats()
+    return stats["history"] + [stats["last_step"]]
+
+
+def _check_rebuilt(kind, build, shape, steps=3, lms=None, **train):
+    """Train ``build()`` with recompute on at lms_frac 0: every step's gradients equal the run
+    without LMS, step 1 checks rebuilds bit for bit beside the copies, and later steps rebuild
+    instead of moving. Returns the LMS."""
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = build().to(dev)
+    x = torch.randn(*shape, device=dev)
+    ref = _train(model, x, **train)
+    lms = lms or make_lms(kind, recompute=True)
+    for _ in range(steps):
+        assert_same(ref, _train(model, x, lms=lms, **train))
+    lms.close()
+    first, last = _steps(lms)[0], _steps(lms)[-1]
+    assert first["recipe_bytes"] == 0 and first["rebuild_checks"] > 0, first
+    assert last["recipe_bytes"] > 0 and last["rebuilt_bytes"] >= last["recipe_bytes"], last
+    # What is rebuilt is what is no longer moved: lms_frac 0 offloads every eligible storage
+    # (but those alive anyway, such as the input batch, which step 1 finds out).
+    moved = last["out_bytes"] + last["recipe_bytes"] + last["live_bytes"]
+    assert moved == first["out_bytes"], (first, last)
+    return lms
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_transformer_trains_exactly_with_rebuilt_tensors(kind, autocast):
+    lms = _check_rebuilt(kind, lambda: torch.nn.Sequential(*[Block(64, 4) for _ in range(4)]),
+                         (4, 32, 64), autocast=autocast)
+    last = _steps(lms)[-1]
+    if kind == "sim":
+        # Inputs of rebuilds are brought back once, as they would be for their own use.
+        assert last["in_bytes"] == last["out_bytes"], last
+    assert "rebuilt, not moved" in lms.summary()
+
+
+def _conv_net():
+    """BatchNorm with an in-place ReLU (nothing rebuildable there), then SiLU and GELU, whose
+    outputs are the next convolution's saved input."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.SiLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.GELU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 2, 1))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_a_conv_net_with_batchnorm_and_in_place_relu_trains_exactly(kind):
+    _check_rebuilt(kind, _conv_net, (4, 3, 32, 32))
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding and head share one weight; under autocast its bf16 copy is rebuilt from it."""
+
+    def __init__(self, vocab=96, d=64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.block = Block(d, 4)
+
+    def forward(self, idx):
+        return torch.nn.functional.linear(self.block(self.emb(idx)), self.emb.weight)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_tied_weights_train_exactly(kind):
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = _TiedLM().to(dev)
+    idx = torch.randint(0, 96, (4, 32), device=dev)
+
+    def loss(out):
+        value = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), idx.flatten())
+        value.backward()
+        return value
+
+    ref = _train(model, idx, autocast=True, backward=loss)
+    lms = make_lms(kind, recompute=True)
+    for _ in range(3):
+        assert_same(ref, _train(model, idx, lms=lms, autocast=True, backward=loss))
+    assert _steps(lms)[-1]["recipe_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_double_backward_trains_exactly(kind):
+    def gelu_mlp():
+        layers = [torch.nn.Linear(64, 64), torch.nn.GELU()] * 1
+        return torch.nn.Sequential(*layers, torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 64))
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = gelu_mlp().to(dev)
+    x = torch.randn(32, 64, device=dev)
+    ref = _train(model, x, create_graph=True)
+    lms = make_lms(kind, recompute=True)
+    for _ in range(3):
+        assert_same(ref, _train(model, x, lms=lms, create_graph=True))
+    assert _steps(lms)[-1]["rebuilt_bytes"] > 0
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d, 4) for _ in range(3))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        x = torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=False)
+        return self.blocks[2](x)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_a_checkpointed_block_inside_trains_exactly(kind):
+    _check_rebuilt(kind, _Checkpointed, (4, 32, 64))
+
+
+class _GeluPair(torch.nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.h = h
+        return self.fc2(torch.nn.functional.gelu(h))
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_an_input_modified_in_place_before_backward_raises_as_autograd_does(kind):
+    dev = torch_device(kind)
+    model = _GeluPair().to(dev)
+    x = torch.randn(32, 64, device=dev)
+
+    def modify_then_backward(out):
+        with torch.no_grad():
+            model.h.add_(1)           # GELU saved h: its output can no longer be made again
+        out.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _train(model, x, backward=modify_then_backward)
+    lms = make_lms(kind, recompute=True)
+    _train(model, x, lms=lms)           # step 1 checks GELU's rebuild; step 2 rebuilds it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _train(model, x, lms=lms, backward=modify_then_backward)
+    assert lms.stats()["last_step"]["recipe_bytes"] > 0
+
+
+class _LateInput(torch.nn.Module):
+    """The input of a cast is saved only by a multiply that backward runs, and frees, before
+    the cast's output is needed (two backward calls): the recipe alone keeps it."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.scale = torch.nn.Parameter(torch.randn(d))
+        self.w = torch.nn.Parameter(torch.randn(d, d, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.lin(x)
+        m = h * self.scale                      # saves h
+        z = h.to(torch.float64) @ self.w        # saves the cast of h
+        return m, z
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = _LateInput().to(dev)
+    x = torch.randn(32, 64, device=dev)
+
+    def in_two(out):
+        m, z = out
+        model.scale.grad, = torch.autograd.grad(m.sum(), [model.scale])   # frees its saved h
+        gc.collect()
+        z.sum().backward()              # needs the cast of h: rebuilt from the pinned h
+        return z.detach().sum()
+
+    ref = _train(model, x, backward=in_two)
+    lms = make_lms(kind, recompute=True)
+    for _ in range(3):
+        assert_same(ref, _train(model, x, lms=lms, backward=in_two))
+    assert lms.stats()["last_step"]["rebuilt_bytes"] > 0
+    engine = lms._engine
+    with lms:
+        pass
+    assert engine.host.used_bytes == 0 and all(s.dead for s in engine._order)
+
+
+def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
+    original = Recipe.rebuild
+
+    def off_by_one(self, resolve=None):
+        return original(self, resolve).add(1)
+
+    monkeypatch.setattr(Recipe, "rebuild", off_by_one)
+    with lmsrt_warnings() as said:
+        lms = make_lms("sim", recompute=True)
+        torch.manual_seed(0)
+        model = _GeluPair()
+        x = torch.randn(32, 64)
+        ref = _train(model, x)
+        for _ in range(3):
+            assert_same(ref, _train(model, x, lms=lms))
+    steps = _steps(lms)
+    assert steps[0]["rebuild_checks"] > 0
+    assert all(s["recipe_bytes"] == 0 and s["rebuilt_bytes"] == 0 for s in steps), steps
+    assert any("did not give back the original bit for bit" in m for m in said), said
+
+
+def test_recompute_off_rebuilds_nothing_and_records_nothing():
+    lms = make_lms("sim")
+    assert lms._engine.rebuilds is None
+    model = _GeluPair()
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        _train(model, x, lms=lms)
+    assert all(s["recipe_bytes"] == 0 and s["rebuild_checks"] == 0 for s in _steps(lms))
+    assert "rebuilt, not moved" not in lms.summary()
+
+
+def test_a_target_in_bytes_takes_rebuildable_storages_first():
+    plan = OffloadPlan()
+    for n in (10, 10, 10, 10):
+        plan.offload(len(plan.current), n)
+    plan.finish_step(rebuildable={2, 3})
+    plan.set_target(15)
+    assert plan.chosen == [False, False, True, True]
+    plan.set_target(25)
+    assert plan.chosen == [True, False, True, True]
+    for n in (10, 10, 10, 10):
+        plan.offload(len(plan.current), n)
+    plan.finish_step()                      # nothing rebuildable: the earliest, as before
+    plan.set_target(15)
+    assert plan.cutoff == 2 and not plan.chosen
+
+
+@pytest.mark.parametrize("lms_frac", [0.5, "auto"])
+def test_where_part_must_move_rebuilt_bytes_come_off_what_moves(lms_frac):
+    """Under a cap that a fraction of the saved tensors must leave, recompute offloads the
+    rebuildable ones first: fewer bytes cross the link, the same gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(64, 4) for _ in range(8)])
+    x = torch.randn(8, 64, 64)
+    ref = _train(model, x)
+    moved = {}
+    for recompute in (False, True):
+        device = SimulatedDevice(capacity=20 << 20, strict=True)    # uncapped peak: 20 MiB
+        lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac, recompute=recompute)
+        for _ in range(4):
+            assert_same(ref, _train(model, x, lms=lms))
+        last = _steps(lms)[-1]
+        assert last["mode"] == "plan" and last["kept_bytes"] > 0, last
+        moved[recompute] = last["out_bytes"], last["recipe_bytes"]
+    (off, _), (on, rebuilt) = moved[False], moved[True]
+    assert rebuilt > 0 and on < off, moved

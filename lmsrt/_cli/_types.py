@@ -8,9 +8,9 @@ from typing import Callable, Dict, Optional, Sequence
 
 import click
 
-from ..options import OPTIONS, Option, setting_range
+from ..options import OPTIONS, Option, check, setting_range
 
-__all__ = ["Number", "Choice", "setting_options", "settings_given"]
+__all__ = ["Number", "Choice", "Switch", "setting_options", "settings_given"]
 
 
 class Number(click.ParamType):
@@ -73,11 +73,28 @@ class Choice(click.ParamType):
         return value
 
 
+class Switch(click.ParamType):
+    """An on/off setting's value: on, off (or true/false, 1/0, yes/no)."""
+
+    name = "switch"
+
+    def __init__(self, option: Option):
+        self.option = option
+
+    def convert(self, value, param, ctx):
+        try:
+            return check(self.option.name, value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not on or off; give e.g. {self.option.flag} "
+                      f"{self.option.example}", param, ctx)
+
+
 def setting_options(f: Callable) -> Callable:
     """Decorate a click command with one option per LMS setting that has a flag, each passed to
     it as the setting's name (None when not given)."""
     for option in reversed([o for o in OPTIONS.values() if o.flag]):
-        f = click.option(option.flag, option.name, type=Number.setting(option),
+        kind = Switch(option) if option.type is bool else Number.setting(option)
+        f = click.option(option.flag, option.name, type=kind,
                          metavar=option.metavar, default=None,
                          help=f"{option.help} [{option.env}]")(f)
     return f
