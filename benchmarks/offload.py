@@ -12,11 +12,15 @@ runs in its own process, all with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:Tr
 (expect OOM), save_on_cpu(pin_memory=True), and lmsrt at the highest lms_frac of a descending grid
 that fits (OOM is monotone in lms_frac), or with --search fastest the fastest of the whole grid.
 The word auto in --fracs adds a row of its own at every cap: lmsrt with lms_frac="auto" (a version
-of lmsrt that refuses it gets the outcome "unsupported").
+of lmsrt that refuses it gets the outcome "unsupported"). --recompute both runs every lmsrt row
+again with recompute=True (method "lmsrt+rb": cheap saved tensors rebuilt in backward, not moved),
+and prints each against its twin.
 
 The floor: X = uncapped peak - cap bytes must leave the GPU in forward and come back in backward,
 so no swap-only method beats max(t_fwd, X/BW_d2h) + max(t_bwd, X/BW_h2d) (+ t_opt, the optimizer
-step, for workloads that have one). Efficiency is floor / step. "settled" counts the steps before
+step, for workloads that have one). Efficiency is floor / step. With recompute the bytes rebuilt
+instead of moved (R) come off X: "floor'" is the same formula at X - R, the floor of the bytes that
+still cross the link. "settled" counts the steps before
 the step time stays within 5% of the timed steps' median. Writes offload.json and offload.png (step
 time against cap, floor dashed) to --out.
 """
@@ -90,7 +94,8 @@ def settled_after(times: list, median: float) -> Optional[int]:
     return n if n < len(times) else None
 
 
-def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int) -> dict:
+def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int,
+          recompute: bool = False) -> dict:
     """One method at one cap; ``frac`` is a number or "auto", passed to lmsrt as it is."""
     import torch
     import lmsrt
@@ -103,9 +108,10 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
     lms = None
     if method == "lmsrt":
         try:
-            ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac)
+            ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac, **({"recompute": True} if recompute
+                                                               else {}))
         except (ValueError, TypeError) as e:
-            if frac != "auto":
+            if frac != "auto" and not recompute:
                 raise
             return {"outcome": "unsupported", "error": str(e)}
     elif method == "save_on_cpu":
@@ -142,7 +148,8 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
            "moved_gib": None if method == "save_on_cpu" else 0.0}
     if lms is not None:
         last = lms.stats()["last_step"]
-        res.update(moved_gib=last["out_bytes"] / GiB, stats=last, summary=lms.summary())
+        res.update(moved_gib=last["out_bytes"] / GiB, rebuilt_gib=last.get("recipe_bytes", 0) / GiB,
+                   stats=last, summary=lms.summary())
     if method == "reference":
         res["t_fwd"], res["t_bwd"], res["t_opt"] = _phases(work, steps)
         res["bandwidth"] = _bandwidth()
@@ -157,12 +164,13 @@ def parse_fracs(text: str) -> tuple:
     return sorted((float(w) for w in words if w != "auto"), reverse=True), "auto" in words
 
 
-def run_child(args, workload: str, method: str, cap: float, frac=0.0) -> dict:
+def run_child(args, workload: str, method: str, cap: float, frac=0.0,
+              recompute: bool = False) -> dict:
     # Every method runs with expandable segments: less fragmentation, so a cap means the same
     # thing for all of them (and it is what README recommends to lmsrt users).
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     cmd = [sys.executable, os.path.abspath(__file__), "--child",
-           f"{workload}:{method}:{cap}:{frac}", "--steps", str(args.steps),
+           f"{workload}:{method}:{cap}:{frac}:{int(recompute)}", "--steps", str(args.steps),
            "--warmup", str(args.warmup)]
     t0 = time.time()
     try:
@@ -173,27 +181,33 @@ def run_child(args, workload: str, method: str, cap: float, frac=0.0) -> dict:
     except (IndexError, json.JSONDecodeError):
         res = {"outcome": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     res.update(workload=workload, method=method, cap_gib=cap, lms_frac=frac,
-               wall_s=round(time.time() - t0, 1))
+               recompute=recompute, wall_s=round(time.time() - t0, 1))
     shown = f"{res['step_s']:.3f} s" if res["outcome"] == "ok" else res["outcome"]
     if "error" in res:
         shown += f": {res['error']}"
-    print(f"  {workload:7} {method:12} cap={cap or '-':>4} lms_frac={frac:<4} {shown}"
+    print(f"  {workload:7} {_label(res):12} cap={cap or '-':>4} lms_frac={frac:<4} {shown}"
           f"  ({res['wall_s']} s)", flush=True)
     return res
 
 
-def floor_s(ref: dict, cap: float) -> float:
-    """The transfer floor at ``cap`` GiB, from the reference's phases and bandwidths."""
+def _label(row: dict) -> str:
+    return row["method"] + ("+rb" if row.get("recompute") else "")
+
+
+def floor_s(ref: dict, cap: float, rebuilt_gib: float = 0.0) -> float:
+    """The transfer floor at ``cap`` GiB, from the reference's phases and bandwidths; with
+    ``rebuilt_gib`` rebuilt instead of moved, the floor of the bytes that still cross."""
     if not cap:
         return ref["step_s"]
-    x = max(0.0, ref["peak_gib"] - cap) * GiB
+    x = max(0.0, ref["peak_gib"] - cap - rebuilt_gib) * GiB
     bw = ref["bandwidth"]
     return max(ref["t_fwd"], x / bw["d2h"]) + max(ref["t_bwd"], x / bw["h2d"]) + ref["t_opt"]
 
 
 def table(rows: list, refs: dict) -> str:
     head = (f"{'workload':8} {'cap':>4} {'method':12} {'frac':>5} {'step s':>11} {'vs ref':>7} "
-            f"{'peak GiB':>8} {'moved GiB':>9} {'floor s':>7} {'effic.':>6} {'settled':>7}")
+            f"{'peak GiB':>8} {'moved GiB':>9} {'floor s':>7} {'effic.':>6} {'settled':>7} "
+            f"{'rebuilt':>7} " + "{:>7}".format("floor'"))
     lines = [head, "-" * len(head)]
     for r in rows:
         ref = refs[r["workload"]]
@@ -207,9 +221,12 @@ def table(rows: list, refs: dict) -> str:
         else:
             cells[0] = r["outcome"]
         frac = r["lms_frac"] if r["method"] == "lmsrt" else "-"
-        lines.append(f"{r['workload']:8} {r['cap_gib'] or '-':>4} {r['method']:12} {frac:>5} "
+        rebuilt = r.get("rebuilt_gib") if r.get("recompute") and r["outcome"] == "ok" else None
+        extra = ("" if rebuilt is None else
+                 f" {rebuilt:7.2f} {floor_s(ref, r['cap_gib'], rebuilt):7.3f}")
+        lines.append(f"{r['workload']:8} {r['cap_gib'] or '-':>4} {_label(r):12} {frac:>5} "
                      f"{cells[0]:>11} {cells[1]:>7} {cells[2]:>8} {cells[3]:>9} {fl:7.3f} "
-                     f"{cells[4]:>6} {cells[5]:>7}")
+                     f"{cells[4]:>6} {cells[5]:>7}{extra}")
     return "\n".join(lines)
 
 
@@ -218,14 +235,36 @@ def auto_against_grid(rows: list) -> str:
     lines = []
     for auto in (r for r in rows if r["method"] == "lmsrt" and r["lms_frac"] == "auto"):
         best = next((r for r in rows if r["method"] == "lmsrt" and r["lms_frac"] != "auto"
-                     and r["workload"] == auto["workload"] and r["cap_gib"] == auto["cap_gib"]),
-                    None)
+                     and r["workload"] == auto["workload"] and r["cap_gib"] == auto["cap_gib"]
+                     and r.get("recompute") == auto.get("recompute")), None)
         if auto["outcome"] != "ok" or best is None or best["outcome"] != "ok":
             verdict = f"auto {auto['outcome']}, grid {best['outcome'] if best else 'not run'}"
         else:
             verdict = (f"auto {auto['step_s']:.3f} s = {auto['step_s'] / best['step_s']:.2f}x the "
                        f"grid's {best['step_s']:.3f} s (lms_frac {best['lms_frac']})")
-        lines.append(f"{auto['workload']} at {auto['cap_gib']:g} GiB: {verdict}")
+        lines.append(f"{auto['workload']} at {auto['cap_gib']:g} GiB{' +rb' * bool(auto.get('recompute'))}: "
+                     f"{verdict}")
+    return "\n".join(lines)
+
+
+def rebuilt_against_moved(rows: list) -> str:
+    """One line per recompute row: its step time over its twin's without recompute."""
+    lines = []
+    for on in (r for r in rows if r.get("recompute")):
+        off = next((r for r in rows if r["method"] == "lmsrt" and not r.get("recompute")
+                    and r["workload"] == on["workload"] and r["cap_gib"] == on["cap_gib"]
+                    and (r["lms_frac"] == "auto") == (on["lms_frac"] == "auto")), None)
+        where = f"{on['workload']} at {on['cap_gib']:g} GiB, lms_frac {on['lms_frac']}"
+        if off is not None and off["lms_frac"] != on["lms_frac"]:
+            where += f" (without: {off['lms_frac']}, the grid's best)"
+        if on["outcome"] != "ok" or off is None or off["outcome"] != "ok":
+            lines.append(f"{where}: recompute {on['outcome']}, without "
+                         f"{off['outcome'] if off else 'not run'}")
+            continue
+        lines.append(f"{where}: {off['step_s'] / on['step_s']:.2f}x faster with recompute "
+                     f"({on['step_s']:.3f} s against {off['step_s']:.3f} s; "
+                     f"{on.get('rebuilt_gib', 0):.2f} GiB rebuilt, {on['moved_gib']:.2f} GiB moved "
+                     f"against {off['moved_gib']:.2f})")
     return "\n".join(lines)
 
 
@@ -272,6 +311,8 @@ def main() -> None:
     ap.add_argument("--search", choices=("highest", "fastest"), default="highest",
                     help="lmsrt: the highest lms_frac that fits, or the fastest of the whole grid "
                          "(convolutions can need free memory for fast cuDNN algorithms)")
+    ap.add_argument("--recompute", choices=("off", "on", "both"), default="off",
+                    help="lmsrt's recompute setting; both: every lmsrt row twice")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=8, help="steps before timing (the plan settles)")
     ap.add_argument("--timeout", type=float, default=300)
@@ -279,13 +320,15 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        workload, method, cap, frac = args.child.split(":")
+        workload, method, cap, frac, recompute = args.child.split(":")
         frac = frac if frac == "auto" else float(frac)
-        print(json.dumps(child(workload, method, float(cap), frac, args.steps, args.warmup)))
+        print(json.dumps(child(workload, method, float(cap), frac, args.steps, args.warmup,
+                               recompute == "1")))
         return
     caps = [float(c) for c in args.caps.split(",") if c]
     fracs, auto = parse_fracs(args.fracs)
     methods = args.methods.split(",")
+    recomputes = {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]
     rows, refs = [], {}
     for name in args.workloads.split(","):
         ref = run_child(args, name, "reference", 0)
@@ -299,18 +342,19 @@ def main() -> None:
                 rows.append(run_child(args, name, "none", cap))
             if "save_on_cpu" in methods:
                 rows.append(run_child(args, name, "save_on_cpu", cap))
-            if "lmsrt" in methods and fracs:
-                tried = []
-                for frac in fracs:
-                    tried.append(run_child(args, name, "lmsrt", cap, frac))
-                    if tried[-1]["outcome"] == "ok" and args.search == "highest":
-                        break
-                fits = [t for t in tried if t["outcome"] == "ok"]
-                best = min(fits, key=lambda t: t["step_s"]) if fits else tried[-1]
-                rows.append(best)
-                best["attempts"] = [t for t in tried if t is not best]
-            if "lmsrt" in methods and auto:
-                rows.append(run_child(args, name, "lmsrt", cap, "auto"))
+            for recompute in recomputes if "lmsrt" in methods else ():
+                if fracs:
+                    tried = []
+                    for frac in fracs:
+                        tried.append(run_child(args, name, "lmsrt", cap, frac, recompute))
+                        if tried[-1]["outcome"] == "ok" and args.search == "highest":
+                            break
+                    fits = [t for t in tried if t["outcome"] == "ok"]
+                    best = min(fits, key=lambda t: t["step_s"]) if fits else tried[-1]
+                    rows.append(best)
+                    best["attempts"] = [t for t in tried if t is not best]
+                if auto:
+                    rows.append(run_child(args, name, "lmsrt", cap, "auto", recompute))
     if not refs:
         sys.exit("no workload ran (the benchmark needs a CUDA GPU); nothing written")
     os.makedirs(args.out, exist_ok=True)
@@ -323,6 +367,8 @@ def main() -> None:
     print("\n" + text)
     if auto:
         print("\n" + auto_against_grid(rows))
+    if True in recomputes:
+        print("\n" + rebuilt_against_moved(rows))
     with open(os.path.join(args.out, "offload.json"), "w") as f:
         json.dump({"rows": rows, "table": text}, f, indent=1, default=str)
     plot(rows, refs, os.path.join(args.out, "offload.png"))

@@ -8,12 +8,14 @@ Three paths: a tensor too small to swap (returned as is), an eligible tensor kep
 On CUDA with the C++ copy path built (`lmsrt build`), each runs twice, side by side: with the
 copy calls made through torch's Python bindings, and through csrc/copy_path.cpp.
 Each saved tensor has its own storage; the hooks are called directly, as autograd would, so the
-figures are the hooks' own bookkeeping plus the copy launches, not kernel time. Prints a table and
-writes pack_overhead.json.
+figures are the hooks' own bookkeeping plus the copy launches, not kernel time. Also the CPU time
+that recompute's recorder (a dispatch mode, on for the whole forward) adds to each op: one that it
+passes through, and one whose recipe it notes. Prints a table and writes pack_overhead.json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -61,6 +63,30 @@ def measure(device, lms_kb: float, frac: float, n: int, numel: int, rounds: int)
     return {"pack_us": statistics.median(pack[1:]), "unpack_us": statistics.median(unpack[1:]),
             "swapped": step["out_tensors"], "kept": step["kept_tensors"],
             "skipped": step["skipped_tensors"]}
+
+
+def recording(device, n: int) -> dict:
+    """CPU time per op with recompute's recorder on, against without, side by side (tiny
+    tensors: the time is the dispatch, not the kernel)."""
+    dev = torch.device("cuda") if device == "cuda" else torch.device("cpu")
+    recorder = lmsrt.LMS(lms=1, recompute=True, device=device)._engine.rebuilds.recorder()
+    x = torch.randn(64, device=dev, requires_grad=True)
+    ops = {"add (passed through)": lambda: x + 1,
+           "gelu (recipe noted)": lambda: torch.nn.functional.gelu(x)}
+    rows = {}
+    for name, op in ops.items():
+        def each(on: bool) -> float:
+            times = []
+            for _ in range(5):
+                with recorder if on else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        op()
+                    times.append((time.perf_counter() - t0) / n * 1e6)
+            return statistics.median(times)
+        plain, recorded = each(False), each(True)
+        rows[name] = {"plain_us": plain, "recorded_us": recorded, "added_us": recorded - plain}
+    return rows
 
 
 def primitives(n: int, numel: int) -> dict:
@@ -149,6 +175,11 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     result = {"device": args.device, "tensors": args.tensors, "kb": args.kb, "rows": rows,
               "copy_path": lmsrt.copy_path.status()}
+    result["recording_us"] = recording(args.device, args.tensors)
+    print("CPU time per op, recompute's recorder off and on:")
+    for name, r in result["recording_us"].items():
+        print(f"  {name:24} {r['plain_us']:6.1f} us  {r['recorded_us']:6.1f} us  "
+              f"(+{r['added_us']:.1f})")
     if args.primitives and args.device == "cuda":
         result["primitives_us"] = primitives(args.tensors, numel)
         print("CPU time per call of what the swapped path calls:")

@@ -30,14 +30,14 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["REBUILDABLE", "Recipe", "Recorder", "Rebuilds", "census", "view_of"]
 
 _aten = torch.ops.aten
 
 # op -> index of the output that a recipe rebuilds (the others, e.g. LayerNorm's mean and rstd,
-# are small and saved as they are).
+# are small and saved as they are). Each takes its tensors as arguments of their own, not in
+# lists: a recipe looks at the top level only.
 REBUILDABLE: Dict[object, int] = {
     _aten.gelu.default: 0,
     _aten.silu.default: 0,
@@ -103,13 +103,14 @@ class Recipe:
     """How to make a saved tensor again: ``func(*args, **kwargs)[index]``, with the tensor
     arguments given by ``inputs`` (NOTE [ Recipes ])."""
 
-    __slots__ = ("func", "spec", "flat", "inputs", "index", "version", "dtype", "size",
+    __slots__ = ("func", "nargs", "keys", "flat", "inputs", "index", "version", "dtype", "size",
                  "stride", "offset", "nbytes", "_signature", "__weakref__")
 
     def __init__(self, func, args, kwargs, index: int, out: torch.Tensor,
                  describe: Callable[[torch.Tensor], _Input] = lambda t: _Input(t, None)):
         self.func, self.index = func, index
-        flat, self.spec = tree_flatten((args, kwargs))
+        flat = [*args, *kwargs.values()]
+        self.nargs, self.keys = len(args), tuple(kwargs)
         self.inputs: List[_Input] = [describe(a) for a in flat if isinstance(a, torch.Tensor)]
         # The arguments with each tensor's place marked, filled in again by ``rebuild``.
         self.flat = [_TENSOR if isinstance(a, torch.Tensor) else a for a in flat]
@@ -131,7 +132,7 @@ class Recipe:
         signature are checked bit for bit once (``Rebuilds``), then trusted."""
         if self._signature is None:
             self._signature = (
-                self.func, self.spec, _hashable(self.flat), self.dtype, self.size,
+                self.func, self.keys, _hashable(self.flat), self.dtype, self.size,
                 self.stride,
                 tuple((i.dtype, i.size, i.stride, i.offset,
                        None if i.recipe is None else i.recipe.signature) for i in self.inputs))
@@ -189,9 +190,9 @@ class Recipe:
             tensors.append(t)
         given = iter(tensors)
         flat = [next(given) if a is _TENSOR else a for a in self.flat]
-        args, kwargs = tree_unflatten(flat, self.spec)
+        n = self.nargs
         with torch.no_grad(), _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
-            out = self.func(*args, **kwargs)
+            out = self.func(*flat[:n], **dict(zip(self.keys, flat[n:])))
         if isinstance(out, (tuple, list)):
             out = out[self.index]
         if tuple(out.shape) != self.size or out.stride() != self.stride or out.dtype != self.dtype:

@@ -78,3 +78,22 @@ def test_table_with_auto_rows():
     lines = offload.auto_against_grid(rows).splitlines()
     assert lines[0].startswith("lm at 14 GiB: auto 0.600 s = 0.75x")
     assert lines[1] == "lm at 18 GiB: auto unsupported, grid not run"
+
+
+def test_table_with_recompute_rows_and_the_floor_of_what_still_moves():
+    offload = _load("offload")
+    ref = {"workload": "gpt", "method": "reference", "cap_gib": 0, "lms_frac": 0.0,
+           "outcome": "ok", "step_s": 0.2, "peak_gib": 18.2, "moved_gib": 0.0,
+           "settled_after": 1, "t_fwd": 0.06, "t_bwd": 0.13, "t_opt": 0.0,
+           "bandwidth": {"d2h": 55e9, "h2d": 55e9}}
+    off = dict(ref, method="lmsrt", cap_gib=8.0, lms_frac=0.7, step_s=0.43, moved_gib=10.2)
+    on = dict(off, recompute=True, step_s=0.34, moved_gib=6.2, rebuilt_gib=4.0)
+    text = offload.table([ref, off, on], {"gpt": ref})
+    last = text.splitlines()[-1].split()
+    assert last[2] == "lmsrt+rb" and last[-2] == "4.00"
+    # What still crosses: 18.2 - 8 - 4 GiB each way, under the compute it overlaps.
+    x = (18.2 - 8 - 4) * 2**30 / 55e9
+    assert float(last[-1]) == pytest.approx(max(0.06, x) + max(0.13, x), abs=1e-3)
+    assert offload.floor_s(ref, 8.0, 4.0) < offload.floor_s(ref, 8.0)
+    line = offload.rebuilt_against_moved([ref, off, on])
+    assert line.startswith("gpt at 8 GiB, lms_frac 0.7: 1.26x faster with recompute")
