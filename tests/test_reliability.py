@@ -311,12 +311,13 @@ SHUTDOWN_MODES = ["forward", "signal", "backward", "exit-active", "exit-closed"]
 
 @pytest.mark.parametrize("mode", SHUTDOWN_MODES)
 @pytest.mark.parametrize("kind", DEVICES)
-def test_interrupts_and_exits_leave_a_clean_process(kind, mode):
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+def test_interrupts_and_exits_leave_a_clean_process(kind, mode, recompute):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     script = ROOT / "tests" / "scripts" / "interrupted_steps.py"
-    result = subprocess.run([sys.executable, str(script), kind, mode], capture_output=True,
-                            text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, str(script), kind, mode] + ["recompute"] * recompute,
+                            capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1:] == ["ok"], result.stdout
     assert result.stderr == "", result.stderr
@@ -512,7 +513,7 @@ def test_two_lms_alive_at_once_and_nested(kind):
 
 # -- threads -----------------------------------------------------------------------------------
 
-def _check_threads(kind, n=3, steps=8):
+def _check_threads(kind, n=3, steps=8, **lms_kw):
     """Threads share one LMS, each `with lms:` installing the hooks on its own thread, forward
     and backward running concurrently (the engine's lock orders its bookkeeping)."""
     dev = torch_device(kind)
@@ -522,7 +523,7 @@ def _check_threads(kind, n=3, steps=8):
         models.append(transformer(d=32, layers=2).to(dev))
         inputs.append(torch.randn(2, 16, 32, device=dev))
         refs.append(train_step(models[-1], inputs[-1]))
-    lms = make_lms(kind, copy_lag=2)
+    lms = make_lms(kind, copy_lag=2, **lms_kw)
     barrier, errors = threading.Barrier(n), []
 
     def work(i):
@@ -537,11 +538,19 @@ def _check_threads(kind, n=3, steps=8):
     assert not errors, errors
     assert lms.stats()["total"]["out_tensors"] > 0
     _boundary_is_clean(lms)
+    return lms
 
 
 @pytest.mark.parametrize("kind", DEVICES)
 def test_threads_share_one_lms_with_exact_gradients(kind):
     _check_threads(kind)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_threads_share_one_lms_rebuilding_with_exact_gradients(kind):
+    # Each thread records on its own recorder into the one table; rebuilds read pinned inputs.
+    lms = _check_threads(kind, recompute=True)
+    assert lms.stats()["total"]["rebuilt_bytes"] > 0
 
 
 def _check_other_stream_refused(kind, monkeypatch):

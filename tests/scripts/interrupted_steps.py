@@ -2,8 +2,10 @@
 
     PYTHONPATH=. python tests/scripts/interrupted_steps.py sim forward
     PYTHONPATH=. python tests/scripts/interrupted_steps.py cuda exit-active
+    PYTHONPATH=. python tests/scripts/interrupted_steps.py sim backward recompute
 
-KIND is sim or cuda. MODE:
+KIND is sim or cuda. A third argument, recompute, trains a GELU MLP with recompute on, one step
+before the interrupt, so that rebuilt tensors (and the inputs they pin) are in flight. MODE:
   forward      KeyboardInterrupt raised by a forward hook inside `with lms:`; 2 more exact steps
   signal       a real SIGINT sent from a forward hook; 2 more exact steps
   backward     KeyboardInterrupt raised by a tensor hook in the middle of backward; 2 more steps
@@ -38,13 +40,20 @@ from models import assert_same, make_lms, mlp, torch_device, train_step   # noqa
 warnings.filterwarnings("ignore", message="lmsrt: the native allocator")
 
 kind, mode = sys.argv[1:3]
+recompute = sys.argv[3:] == ["recompute"]
 dev = torch_device(kind)
 torch.manual_seed(0)
-model = mlp(d=64, layers=6).to(dev)
+if recompute:
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                  for _ in range(6)]).to(dev)
+else:
+    model = mlp(d=64, layers=6).to(dev)
 x = torch.randn(32, 64, device=dev)
 ref = train_step(model, x)
-lms = make_lms(kind, copy_lag=3)          # sim copies stay "in flight" for 3 queries
+lms = make_lms(kind, copy_lag=3, recompute=recompute)   # sim copies "in flight" for 3 queries
 engine = lms._engine
+if recompute:
+    assert_same(ref, train_step(model, x, lms=lms))       # checks the rebuilds: trusted from here
 
 
 def interrupt():
@@ -105,4 +114,5 @@ for _ in range(2):
 with lms:                                 # a step boundary gives back what the last step held
     assert engine.host.used_bytes == 0, engine.host.used_bytes
 assert lms.stats()["total"]["out_tensors"] > 0
+assert not recompute or lms.stats()["total"]["rebuilt_bytes"] > 0
 print("ok")
