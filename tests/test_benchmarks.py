@@ -56,12 +56,17 @@ def test_fracs_and_settled_steps():
     assert offload.settled_after([1.0, 2.0], 1.0) is None      # still moving at the last step
 
 
+def _reference(**row) -> dict:
+    """offload.py's row of an uncapped reference run, at 55 GB/s each way."""
+    return {"method": "reference", "cap_gib": 0, "lms_frac": 0.0, "outcome": "ok",
+            "moved_gib": 0.0, "settled_after": 1, "bandwidth": {"d2h": 55e9, "h2d": 55e9},
+            **row}
+
+
 def test_table_with_auto_rows():
     offload = _load("offload")
-    ref = {"workload": "lm", "method": "reference", "cap_gib": 0, "lms_frac": 0.0,
-           "outcome": "ok", "step_s": 0.1, "peak_gib": 27.5, "moved_gib": 0.0,
-           "settled_after": 1, "t_fwd": 0.03, "t_bwd": 0.06, "t_opt": 0.01,
-           "bandwidth": {"d2h": 55e9, "h2d": 55e9}}
+    ref = _reference(workload="lm", step_s=0.1, peak_gib=27.5, t_fwd=0.03, t_bwd=0.06,
+                     t_opt=0.01)
     grid = dict(ref, method="lmsrt", cap_gib=14.0, lms_frac=0.5, step_s=0.8, peak_gib=13.9,
                 moved_gib=18.9, settled_after=2)
     auto = dict(grid, lms_frac="auto", step_s=0.6, settled_after=None)
@@ -82,10 +87,8 @@ def test_table_with_auto_rows():
 
 def test_table_with_recompute_rows_and_the_floor_of_what_still_moves():
     offload = _load("offload")
-    ref = {"workload": "gpt", "method": "reference", "cap_gib": 0, "lms_frac": 0.0,
-           "outcome": "ok", "step_s": 0.2, "peak_gib": 18.2, "moved_gib": 0.0,
-           "settled_after": 1, "t_fwd": 0.06, "t_bwd": 0.13, "t_opt": 0.0,
-           "bandwidth": {"d2h": 55e9, "h2d": 55e9}}
+    ref = _reference(workload="gpt", step_s=0.2, peak_gib=18.2, t_fwd=0.06, t_bwd=0.13,
+                     t_opt=0.0)
     off = dict(ref, method="lmsrt", cap_gib=8.0, lms_frac=0.7, step_s=0.43, moved_gib=10.2)
     on = dict(off, recompute=True, step_s=0.34, moved_gib=6.2, rebuilt_gib=4.0)
     text = offload.table([ref, off, on], {"gpt": ref})
