@@ -19,14 +19,17 @@ Rebuilding runs the op again without autograd (``Recipe.rebuild``); the result i
 the output, since the kernel and its inputs are the same. An input changed in place since the
 op ran fails the rebuild as autograd fails a modified saved tensor.
 
-Only ops that draw no random numbers and write nothing but their output are listed: dropout,
-batch norm in training (it updates running statistics) and in-place ops are not.
+Only ops that draw no random numbers are listed (not dropout), and nothing a rebuild writes
+but its output: batch norm in training updates running statistics as it normalises, so its
+rebuild is given fresh zeros in their place, whose update is dropped (its output depends only on
+the batch, in training). An in-place activation (ReLU after BatchNorm) applied to a storage that
+has a recipe makes a recipe of its own: rebuild that one, then apply the activation again.
 """
 from __future__ import annotations
 
 import collections
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -35,17 +38,44 @@ __all__ = ["REBUILDABLE", "Recipe", "Recorder", "Rebuilds", "census", "view_of"]
 
 _aten = torch.ops.aten
 
-# op -> index of the output that a recipe rebuilds (the others, e.g. LayerNorm's mean and rstd,
-# are small and saved as they are). Each takes its tensors as arguments of their own, not in
+class _Op(NamedTuple):
+    """How a listed op is recorded and run again."""
+
+    output: int = 0                 # the output a recipe rebuilds (the others, e.g. LayerNorm's
+                                    # mean and rstd, are small and saved as they are)
+    scratch: Tuple[int, ...] = ()   # arguments it updates besides (running statistics): fresh
+                                    # zeros in a rebuild, their update dropped
+    training: Optional[int] = None  # the argument that says training: recorded only then
+    inplace: bool = False           # writes its first argument: recorded over that one's recipe
+
+
+_BATCH_NORM = _Op(scratch=(3, 4), training=5)
+
+# The ops whose outputs recipes rebuild. Each takes its tensors as arguments of their own, not in
 # lists: a recipe looks at the top level only.
-REBUILDABLE: Dict[object, int] = {
-    _aten.gelu.default: 0,
-    _aten.silu.default: 0,
-    _aten.sigmoid.default: 0,
-    _aten.tanh.default: 0,
-    _aten.native_layer_norm.default: 0,
-    _aten._to_copy.default: 0,          # dtype casts: autocast's copies of weights and inputs
+REBUILDABLE: Dict[object, _Op] = {
+    _aten.gelu.default: _Op(),
+    _aten.silu.default: _Op(),
+    _aten.sigmoid.default: _Op(),
+    _aten.tanh.default: _Op(),
+    _aten.relu.default: _Op(),
+    _aten.native_layer_norm.default: _Op(),
+    _aten._to_copy.default: _Op(),          # dtype casts: autocast's copies of weights and inputs
+    _aten.native_batch_norm.default: _BATCH_NORM,
+    _aten._native_batch_norm_legit.default: _BATCH_NORM,
+    _aten._native_batch_norm_legit.no_stats: _Op(training=3),
+    _aten.cudnn_batch_norm.default: _BATCH_NORM,
+    _aten.relu_.default: _Op(inplace=True),
+    _aten.silu_.default: _Op(inplace=True),
+    _aten.hardtanh_.default: _Op(inplace=True),     # ReLU6(inplace=True)
 }
+
+
+class _Scratch(NamedTuple):
+    """An argument that a rebuild gives fresh zeros of this shape and dtype."""
+
+    size: tuple
+    dtype: torch.dtype
 
 
 _DEPTH = 3             # ops a chain of recipes may reach back (LayerNorm, then a cast)
@@ -63,7 +93,7 @@ class _Input:
     """A tensor argument of a recipe: its storage (weakly), version and view."""
 
     __slots__ = ("storage_ref", "tensor_ref", "version", "dtype", "size", "stride", "offset",
-                 "parameter", "recipe", "entry")
+                 "parameter", "recipe", "entry", "inplace")
 
     def __init__(self, t: torch.Tensor, recipe: Optional["Recipe"], entry: object = None):
         self.storage_ref = weakref.ref(t.untyped_storage())
@@ -76,13 +106,18 @@ class _Input:
         self.dtype, self.size, self.stride = t.dtype, tuple(t.shape), t.stride()
         self.offset = t.storage_offset()
         self.parameter = weakref.ref(t) if isinstance(t, torch.nn.Parameter) else None
+        # The storage an in-place op wrote: as the op saw it, it is gone (the op's own output
+        # took its place), so only its recipe makes it again.
+        self.inplace = False
 
     def unchanged(self) -> bool:
         t = self.tensor_ref()
-        return t is None or t._version == self.version
+        return self.inplace or t is None or t._version == self.version
 
     def tensor(self) -> Optional[torch.Tensor]:
         """The input as the op saw it, if its storage is still alive."""
+        if self.inplace:
+            return None
         if self.parameter is not None:
             return self.parameter()
         storage = self.storage_ref()
@@ -104,16 +139,20 @@ class Recipe:
     arguments given by ``inputs`` (NOTE [ Recipes ])."""
 
     __slots__ = ("func", "nargs", "keys", "flat", "inputs", "index", "version", "dtype", "size",
-                 "stride", "offset", "nbytes", "_signature", "__weakref__")
+                 "stride", "offset", "nbytes", "device", "_signature", "__weakref__")
 
-    def __init__(self, func, args, kwargs, index: int, out: torch.Tensor,
+    def __init__(self, func, args, kwargs, op: _Op, out: torch.Tensor,
                  describe: Callable[[torch.Tensor], _Input] = lambda t: _Input(t, None)):
-        self.func, self.index = func, index
+        self.func, self.index = func, op.output
         flat = [*args, *kwargs.values()]
+        for i in op.scratch:
+            if isinstance(flat[i], torch.Tensor):
+                flat[i] = _Scratch(tuple(flat[i].shape), flat[i].dtype)
         self.nargs, self.keys = len(args), tuple(kwargs)
         self.inputs: List[_Input] = [describe(a) for a in flat if isinstance(a, torch.Tensor)]
         # The arguments with each tensor's place marked, filled in again by ``rebuild``.
         self.flat = [_TENSOR if isinstance(a, torch.Tensor) else a for a in flat]
+        self.device = out.device
         self.version = out._version
         self.dtype, self.size, self.stride = out.dtype, tuple(out.shape), out.stride()
         self.offset = out.storage_offset()
@@ -154,7 +193,7 @@ class Recipe:
                 if p is None or p._version != inp.version:
                     return False
                 continue
-            if saved(inp) and inp.unchanged():
+            if not inp.inplace and saved(inp) and inp.unchanged():
                 continue
             if inp.recipe is None or depth == 0 or not inp.recipe.inputs_saved(saved, depth - 1):
                 return False
@@ -189,7 +228,9 @@ class Recipe:
                     "rebuilds that op's output for backward from the input the op saw.")
             tensors.append(t)
         given = iter(tensors)
-        flat = [next(given) if a is _TENSOR else a for a in self.flat]
+        flat = [next(given) if a is _TENSOR else
+                torch.zeros(a.size, dtype=a.dtype, device=self.device) if type(a) is _Scratch
+                else a for a in self.flat]
         n = self.nargs
         with torch.no_grad(), _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
             out = self.func(*flat[:n], **dict(zip(self.keys, flat[n:])))
@@ -219,17 +260,39 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        op = REBUILDABLE.get(func)
+        if op is None or torch._C._current_graph_task_id() != -1:
+            return func(*args, **kwargs)
+        if op.inplace:
+            return self._in_place(func, op, args, kwargs)
         out = func(*args, **kwargs)
-        index = REBUILDABLE.get(func)
-        if index is not None and torch._C._current_graph_task_id() == -1:
-            made = out[index] if isinstance(out, (tuple, list)) else out
-            if (isinstance(made, torch.Tensor) and made.layout == torch.strided
-                    and made._base is None and made.storage_offset() == 0):
-                storage = made.untyped_storage()
-                key = id(storage)
-                self._recipes[key] = (weakref.ref(storage, _forget(self._recipes, key)),
-                                      Recipe(func, args, kwargs, index, made, self._input))
+        if op.training is not None and not (len(args) > op.training and args[op.training]):
+            return out
+        made = out[op.output] if isinstance(out, (tuple, list)) else out
+        if _whole(made):
+            self._note(made, Recipe(func, args, kwargs, op, made, self._input))
         return out
+
+    def _in_place(self, func, op: _Op, args, kwargs):
+        target = args[0]
+        over = self.recipe_for(target) if _whole(target) else None
+        if over is None:
+            return func(*args, **kwargs)
+        first = _Input(target, over)     # before the op writes it: its version as it was
+        first.inplace = True
+        out = func(*args, **kwargs)
+        recipe = Recipe(func, args, kwargs, op, target,
+                        lambda t: first if t is target else self._input(t))
+        # Autograd counts the write once the kernel returns, above this mode: the output's
+        # version is one past the input's.
+        recipe.version = first.version + 1
+        self._note(target, recipe)
+        return out
+
+    def _note(self, made: torch.Tensor, recipe: Recipe) -> None:
+        storage = made.untyped_storage()
+        key = id(storage)
+        self._recipes[key] = (weakref.ref(storage, _forget(self._recipes, key)), recipe)
 
     def _input(self, t: torch.Tensor) -> _Input:
         found = self._recipes.get(id(t.untyped_storage()))
@@ -248,6 +311,12 @@ class Recorder(TorchDispatchMode):
 
     def __len__(self) -> int:
         return len(self._recipes)
+
+
+def _whole(t) -> bool:
+    """Whether ``t`` is a plain tensor that is the whole of its storage's start (not a view)."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t._base is None
+            and t.storage_offset() == 0)
 
 
 def _forget(recipes: dict, key: int):

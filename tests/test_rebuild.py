@@ -185,6 +185,30 @@ def test_a_conv_net_with_batchnorm_and_in_place_relu_trains_exactly(kind):
     _check_rebuilt(kind, _conv_net, (4, 3, 32, 32))
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+def test_batchnorm_and_its_in_place_relu_are_rebuilt_and_statistics_updated_once(kind):
+    """BatchNorm's output, made again from its saved input, then ReLU'd in place again: rebuilt
+    with its running statistics updated once a step, as without LMS."""
+    dev = torch_device(kind)
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(inplace=True), torch.nn.Conv2d(8, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True), torch.nn.Conv2d(8, 2, 1)).to(dev)
+    plain, swapped = net(), net()
+    x = torch.randn(4, 3, 32, 32, device=dev)
+    lms = make_lms(kind, recompute=True)
+    for _ in range(3):
+        assert_same(_train(plain, x), _train(swapped, x, lms=lms))
+    for a, b in zip(plain.buffers(), swapped.buffers()):
+        assert torch.equal(a, b)
+    last = _steps(lms)[-1]
+    # Both ReLU outputs (each the next convolution's saved input) are rebuilt.
+    assert last["recipe_bytes"] == 2 * 4 * 8 * 32 * 32 * 4, last
+
+
 class _TiedLM(torch.nn.Module):
     """Embedding and head share one weight; under autocast its bf16 copy is rebuilt from it."""
 
