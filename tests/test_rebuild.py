@@ -18,7 +18,8 @@ import lmsrt
 from lmsrt.device import SimulatedDevice
 from lmsrt.plan import OffloadPlan
 from lmsrt.rebuild import Recipe, Recorder, census, view_of
-from models import DEVICES, Block, assert_same, lmsrt_warnings, make_lms, torch_device
+from models import (DEVICES, Block, assert_same, lmsrt_warnings, make_lms, torch_device,
+                    train_step)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from workloads import GPTBlock  # noqa: E402
@@ -255,6 +256,20 @@ def test_double_backward_trains_exactly(kind):
     for _ in range(3):
         assert_same(ref, _train(model, x, lms=lms, create_graph=True))
     assert _steps(lms)[-1]["rebuilt_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_backward_twice_over_a_retained_graph_rebuilds_again(kind):
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(64, 4) for _ in range(2)]).to(dev)
+    x = torch.randn(4, 32, 64, device=dev)
+    ref = train_step(model, x, retain=True)
+    lms = make_lms(kind, recompute=True)
+    for _ in range(3):
+        assert_same(ref, train_step(model, x, lms=lms, retain=True))
+    last = _steps(lms)[-1]
+    assert last["rebuilt_bytes"] == 2 * last["recipe_bytes"] > 0, last
 
 
 class _Checkpointed(torch.nn.Module):
