@@ -86,9 +86,9 @@ class Diagnostics:
         storages ]): the check ran beside the copy, so no gradient used the rebuild."""
         self._warn_once("rebuild", (
             f"lmsrt: rebuilding the output of {', '.join(ops)} on this device did not give back "
-            "the original bit for bit (a kernel that depends on more than its inputs), so those "
-            "tensors are moved instead, as without recompute; gradients are unaffected (the "
-            "check ran beside the copy). Please report it with the model and the torch version."))
+            "the original bit for bit, so those tensors are moved instead, as without "
+            "recompute; gradients are unaffected (the check ran beside the copy). Please report "
+            "it with the model and the torch version."))
 
     def compiled_region(self, frame) -> None:
         """The storage being saved comes from an autograd.Function called from ``frame``: say

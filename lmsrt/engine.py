@@ -119,7 +119,7 @@ class _Storage:
     __slots__ = ("nbytes", "index", "seq", "storage_ref", "version", "stream", "stream_key",
                  "source", "counter", "host", "copy_done", "gpu", "fetch_done", "fetch_waited",
                  "watches", "unpacked", "generation", "consumed", "dead", "recipe", "check",
-                 "inputs", "pins")
+                 "inputs", "pinned_by")
 
     def __init__(self, nbytes: int, seq: int, storage_ref, version: int, stream, stream_key):
         self.nbytes = nbytes
@@ -145,7 +145,7 @@ class _Storage:
         self.recipe = None
         self.check = False
         self.inputs: tuple = ()         # what its recipe reads: entries pinned, kept storages held
-        self.pins = 0                   # recipes that will read this storage
+        self.pinned_by: set = set()     # ids of the storages whose recipes will read this one
 
 
 class _Kept:
@@ -379,6 +379,9 @@ class SwapEngine:
             self._sweep_orphans()
             self._release_finished()
             self._order = [s for s in self._order if not s.dead]
+            # Recounted at each step, so an interrupt between a restored copy's marking and its
+            # count leaves no lasting drift (NOTE [ Interrupts and versions ], b).
+            self._ahead = sum(s.nbytes for s in self._order if s.gpu is not None)
             stream = self.device.current_stream()
             if stream != self.compute and (self._forward_open or self._order):
                 raise RuntimeError(
@@ -433,7 +436,7 @@ class SwapEngine:
         """Release storages that no handle holds: a pack interrupted before it handed its handle
         to autograd (NOTE [ Interrupts and versions ], b)."""
         for s in self._order:
-            if not s.watches and not s.pins and not s.dead:
+            if not s.watches and not s.pinned_by and not s.dead:
                 self._release(s)
 
     def end_forward(self) -> None:
@@ -697,9 +700,9 @@ class SwapEngine:
         s = _Storage(nbytes, seq, ref, version, stream, key)
         s.recipe = recipe
         s.counter = _counter_only(t.detach())   # NOTE [ Interrupts and versions ], c
-        self._pin_inputs(s)
         s.index = len(self._order)
         self._order.append(s)       # from here the step boundary releases it if orphaned
+        self._pin_inputs(s)
         self.step.recipe_bytes += nbytes
         self.step.recipe_tensors += 1
         return s
@@ -716,14 +719,22 @@ class SwapEngine:
 
     @staticmethod
     def _available(inp) -> bool:
-        """Whether a recipe input's entry will still be there in backward (once pinned)."""
+        """Whether a recipe input's entry will still be there in backward (once pinned). One
+        that is gone (its graph dropped in forward) is forgotten, for good: the input is then
+        made by its own recipe, if it has one, in ``walk`` and in ``_recipe_input`` too."""
         entry = inp.entry
-        if entry is None or entry.dead:
+        if entry is None:
             return False
-        return type(entry) is not _Kept or entry.storage_ref() is not None
+        if entry.dead or type(entry) is _Kept and entry.storage_ref() is None:
+            inp.entry = None
+            return False
+        return True
 
     @staticmethod
     def _pin_inputs(s: _Storage) -> None:
+        """Pin what ``s``'s recipe reads. ``s.inputs`` is set first and each pin is one set
+        insertion, so an interrupt anywhere leaves pins that ``_unpin_inputs`` removes
+        (NOTE [ Interrupts and versions ], b)."""
         held = []
         for inp in s.recipe.walk():
             entry = inp.entry
@@ -734,17 +745,19 @@ class SwapEngine:
                 if storage is not None:
                     held.append(storage)
             else:
-                entry.pins += 1
                 held.append(entry)
         s.inputs = tuple(held)
+        for entry in held:
+            if type(entry) is _Storage:
+                entry.pinned_by.add(id(s))
 
     def _unpin_inputs(self, s: _Storage) -> None:
-        inputs, s.inputs = s.inputs, ()
-        for entry in inputs:
+        for entry in s.inputs:
             if type(entry) is _Storage:
-                entry.pins -= 1
-                if not entry.pins and not entry.watches and not entry.dead:
+                entry.pinned_by.discard(id(s))
+                if not entry.pinned_by and not entry.watches and not entry.dead:
                     self._release(entry)
+        s.inputs = ()
 
     def _swap_out(self, t: torch.Tensor, storage, nbytes: int, seq: int, ref,
                   version: int) -> Optional[_Storage]:
@@ -948,8 +961,8 @@ class SwapEngine:
                 out = self.rebuilds.run(s.recipe, self._recipe_input)
         storage = out.untyped_storage()
         self.device.note_saved(storage)
-        s.gpu = torch.empty(0, dtype=torch.uint8, device=out.device).set_(storage)
         s.fetch_done, s.fetch_waited, s.unpacked = None, True, 0
+        s.gpu = torch.empty(0, dtype=torch.uint8, device=out.device).set_(storage)
         s.generation += 1
         self._ahead += s.nbytes
         self._use_delta += s.nbytes
@@ -964,7 +977,13 @@ class SwapEngine:
             return inp.tensor() if inp.parameter is not None else None
         if type(entry) is _Kept:
             storage = entry.storage_ref()
-            return None if storage is None else inp.view(storage)
+            if storage is None:
+                return None
+            t = inp.view(storage)
+            key = self.device.stream_key()
+            if key != self._compute_key:       # read on a side stream: its block waits for it
+                t.record_stream(self.device.stream_of(key))
+            return t
         alias = entry.source if entry.source is not None else entry.counter
         if alias is not None and alias._version != entry.version:
             kind = torch.empty(0, dtype=inp.dtype, device=self.device.torch_device).type()
@@ -1121,7 +1140,7 @@ class SwapEngine:
             if watch.generation == s.generation and id(watch) in s.watches:
                 s.unpacked -= 1
             s.watches.discard(id(watch))
-            if not s.watches and not s.pins:
+            if not s.watches and not s.pinned_by:
                 self._release(s)
             dead.popleft()
 
@@ -1129,7 +1148,7 @@ class SwapEngine:
         """Give back what ``s`` holds; safe to repeat after an interrupt."""
         s.dead = True
         if s.gpu is not None:
-            if not s.fetch_waited:
+            if not s.fetch_waited and s.fetch_done is not None:
                 self._order_after(s, s.fetch_done)         # Rule 4
             self._drop_restored(s)
         if s.source is not None:
@@ -1176,6 +1195,8 @@ class SwapEngine:
             return
         self._stale_hooks.discard(thread)
         pop_own_hooks(self)
+        if self.rebuilds is not None:
+            self.rebuilds.pop_stale_recorder()
 
     # -- what goes wrong (its texts: diagnostics.py) -----------------------------------------
 

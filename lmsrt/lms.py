@@ -231,8 +231,8 @@ class LMS:
         self._active.hooks = None
         recorder = getattr(self._active, "recorder", None)
         if recorder is not None:
-            self._active.recorder = None
             recorder.__exit__(None, None, None)
+            self._active.recorder = None
         if pushed:
             engine = self._engine
             pop_own_hooks(engine)

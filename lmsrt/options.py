@@ -137,7 +137,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("recompute", False, bool, "LMSRT_RECOMPUTE", "--recompute",
            doc="rebuild cheap saved tensors in backward (GELU's and LayerNorm's outputs, "
                "autocast's casts) from their inputs instead of moving them, where lmsrt would "
-               "otherwise swap them; each kind is first checked bit for bit against a copy.",
+               "otherwise swap them; each kind is first checked bit for bit against a copy. "
+               "Rebuilds read parameters as they are in backward: leave it off where they "
+               "change between forward and backward (through .data, FSDP or ZeRO-3 resharding).",
            what="on or off", example="on", metavar="on|off",
            help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) instead of moving them.",
            give="on or off", check=_check_switch("recompute")),

@@ -32,7 +32,10 @@ import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                         _get_current_dispatch_mode, _pop_mode)
+
+from .options import spelled
 
 __all__ = ["REBUILDABLE", "Recipe", "Recorder", "Rebuilds", "census", "view_of"]
 
@@ -128,6 +131,23 @@ class _Input:
         return _view(storage, self.dtype, self.offset, self.size, self.stride)
 
 
+def _changed(recipe: "Recipe", inp: _Input) -> RuntimeError:
+    now = inp.tensor_ref()._version
+    if inp.parameter is not None:
+        return RuntimeError(
+            f"lmsrt: a parameter ({inp.dtype} {list(inp.size)}) was modified in place between "
+            f"forward and backward (version {now}, was {inp.version}), and lmsrt rebuilds the "
+            f"output of {recipe.name} from it for backward (recompute), so it cannot give "
+            "backward the bytes forward saved. Without recompute this runs: set "
+            f"recompute=False ({spelled('recompute', False)}), or modify parameters only after "
+            "backward.")
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: the input of {recipe.name} is at version {now}; expected version "
+        f"{inp.version} instead. lmsrt rebuilds that op's output for backward from the input "
+        "the op saw; without LMS autograd raises this same error at the op's own backward.")
+
+
 def _hashable(a):
     if isinstance(a, (list, tuple)):
         return tuple(_hashable(b) for b in a)
@@ -212,25 +232,29 @@ class Recipe:
         a saved view is taken of it as of the old). ``resolve`` gives each input's tensor (the
         engine's restored copy of a swapped input), None for one it does not have; by default
         the input's own storage."""
+        return self.run(self.arguments(resolve))
+
+    def arguments(self, resolve: Optional[Callable[[_Input], torch.Tensor]] = None) -> list:
+        """The op's arguments for a rebuild: each input resolved (or rebuilt by its own
+        recipe), checked unchanged where it is read as it is."""
         tensors = []
         for inp in self.inputs:
             t = resolve(inp) if resolve is not None else inp.tensor()
+            if t is not None and not inp.unchanged():
+                raise _changed(self, inp)
             if t is None and inp.recipe is not None:
                 t = inp.view(inp.recipe.rebuild(resolve).untyped_storage())
             if t is None:
                 raise RuntimeError(f"lmsrt: cannot rebuild the output of {self.name}: an input "
                                    "is gone")
-            if not inp.unchanged():
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation: the input of {self.name} is at version "
-                    f"{inp.tensor_ref()._version}; expected version {inp.version} instead. lmsrt "
-                    "rebuilds that op's output for backward from the input the op saw.")
             tensors.append(t)
         given = iter(tensors)
-        flat = [next(given) if a is _TENSOR else
+        return [next(given) if a is _TENSOR else
                 torch.zeros(a.size, dtype=a.dtype, device=self.device) if type(a) is _Scratch
                 else a for a in self.flat]
+
+    def run(self, flat: list) -> torch.Tensor:
+        """Run the op on ``arguments``' result; return the output it rebuilds."""
         n = self.nargs
         with torch.no_grad(), _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
             out = self.func(*flat[:n], **dict(zip(self.keys, flat[n:])))
@@ -258,10 +282,18 @@ class Recorder(TorchDispatchMode):
         self._recipes: Dict[int, tuple] = {} if recipes is None else recipes
         self._entry_of = entry_of
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd code runs compiled, not op by op through this mode (which would make
+        # it fall back to eager); its saved tensors are not rebuilt.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = REBUILDABLE.get(func)
-        if op is None or torch._C._current_graph_task_id() != -1:
+        if (op is None or torch._C._current_graph_task_id() != -1
+                or not all(t is torch.Tensor or t is torch.nn.Parameter for t in types)
+                or not all(_plain(a) for a in args if isinstance(a, torch.Tensor))):
             return func(*args, **kwargs)
         if op.inplace:
             return self._in_place(func, op, args, kwargs)
@@ -295,8 +327,7 @@ class Recorder(TorchDispatchMode):
         self._recipes[key] = (weakref.ref(storage, _forget(self._recipes, key)), recipe)
 
     def _input(self, t: torch.Tensor) -> _Input:
-        found = self._recipes.get(id(t.untyped_storage()))
-        made_by = found[1] if found is not None and found[0]() is t.untyped_storage() else None
+        made_by = None if isinstance(t, torch.nn.Parameter) else self.recipe_for(t)
         entry = None if isinstance(t, torch.nn.Parameter) else self._entry_of(t)
         return _Input(t, made_by, entry)
 
@@ -311,6 +342,11 @@ class Recorder(TorchDispatchMode):
 
     def __len__(self) -> int:
         return len(self._recipes)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense strided tensor with one storage (not nested, sparse, or a subclass's wrapper)."""
+    return t.layout == torch.strided and not t.is_nested
 
 
 def _whole(t) -> bool:
@@ -354,6 +390,14 @@ class Rebuilds:
         """A recorder for one thread, writing this table."""
         return Recorder(self.recipes, self.entry_of)
 
+    def pop_stale_recorder(self) -> None:
+        """Take off this thread's mode stack a recorder of this table that autograd put back:
+        ``with lms:`` was left inside backward, which restores the thread's modes as they were
+        when it began (the recorder's own exit already ran)."""
+        top = _get_current_dispatch_mode()
+        if isinstance(top, Recorder) and top._recipes is self.recipes:
+            _pop_mode()
+
     def usable(self, t: torch.Tensor, available: Callable[[_Input], bool]) -> Optional[Recipe]:
         """The recipe of saved tensor ``t`` if there is one, not refused, whose inputs are all
         ``available``."""
@@ -368,9 +412,10 @@ class Rebuilds:
 
     def run(self, recipe: Recipe, resolve: Callable[[_Input], Optional[torch.Tensor]]):
         """Rebuild ``recipe``'s output (timed on the GPU)."""
+        args = recipe.arguments(resolve)     # inputs brought back first: not the rebuild's time
         start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
         start.record()
-        out = recipe.rebuild(resolve)
+        out = recipe.run(args)
         end.record()
         self._timed.append((start, end))
         return out
@@ -379,9 +424,10 @@ class Rebuilds:
               resolve: Callable[[_Input], Optional[torch.Tensor]]) -> None:
         """Rebuild ``recipe``'s output and queue a bitwise comparison with ``original`` (the
         storage's bytes, as uint8) on the GPU; read at the end of the step."""
+        args = recipe.arguments(resolve)
         start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
         start.record()
-        out = recipe.rebuild(resolve)
+        out = recipe.run(args)
         end.record()
         rebuilt = torch.empty(0, dtype=torch.uint8, device=out.device).set_(out.untyped_storage())
         differs = torch.ne(rebuilt, original).any()

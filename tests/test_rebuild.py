@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
+from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.rebuild import Recipe, Recorder, census, view_of
 from models import (DEVICES, Block, assert_same, lmsrt_warnings, make_lms, torch_device,
@@ -362,12 +363,12 @@ def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
 
 
 def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
-    original = Recipe.rebuild
+    original = Recipe.run
 
-    def off_by_one(self, resolve=None):
-        return original(self, resolve).add(1)
+    def off_by_one(self, args):
+        return original(self, args).add(1)
 
-    monkeypatch.setattr(Recipe, "rebuild", off_by_one)
+    monkeypatch.setattr(Recipe, "run", off_by_one)
     with lmsrt_warnings() as said:
         lms = make_lms("sim", recompute=True)
         torch.manual_seed(0)
@@ -428,3 +429,191 @@ def test_where_part_must_move_rebuilt_bytes_come_off_what_moves(lms_frac):
         moved[recompute] = last["out_bytes"], last["recipe_bytes"]
     (off, _), (on, rebuilt) = moved[False], moved[True]
     assert rebuilt > 0 and on < off, moved
+
+
+# -- what the engine must not rebuild, and what must not break -------------------------------
+
+class _ScaledInPlace(torch.nn.Module):
+    """LayerNorm, then an unlisted in-place scale (LayerScale), then a cast that is saved: the
+    LayerNorm's recipe no longer makes the cast's input, whose gain the optimizer moves."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.inp, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+        self.gamma = torch.nn.Parameter(torch.ones(d))
+        self.out = torch.nn.Linear(d, d, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.ln(self.inp(x))
+        h.mul_(self.gamma)
+        return self.out(h.double())
+
+
+def test_an_input_written_in_place_after_its_recipe_is_not_rebuilt_by_it():
+    def run(lms=None):
+        torch.manual_seed(0)
+        model = _ScaledInPlace()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randn(4, 32, 64)
+        grads = []
+        for _ in range(3):
+            grads.append(_train(model, x, lms=lms))
+            opt.step()
+        return grads
+
+    lms = make_lms("sim", recompute=True)
+    for ref, got in zip(run(), run(lms)):
+        assert_same(ref, got)
+
+
+def test_a_parameter_changed_before_backward_fails_clearly_where_it_feeds_a_rebuild():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    lms = make_lms("sim", recompute=True)
+    _train(model, x, lms=lms, autocast=True)      # checks the bf16 weight casts: trusted
+
+    def step_then_backward(out):
+        with torch.no_grad():
+            model[2].weight.add_(1)
+        out.float().sum().backward()
+
+    with pytest.raises(RuntimeError, match="a parameter .* was modified in place between forward "
+                                           "and backward.*recompute=False"):
+        _train(model, x, lms=lms, autocast=True, backward=step_then_backward)
+
+
+def test_nested_tensors_and_subclasses_pass_the_recorder_untouched():
+    from torch.testing._internal.two_tensor import TwoTensor
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    lms = make_lms("sim", recompute=True)
+    with lmsrt_warnings():
+        with lms:
+            out = model(torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)]))
+        sum(t.sum() for t in out.unbind()).backward()
+        a = TwoTensor(torch.randn(4, 4), torch.randn(4, 4)).requires_grad_()
+        with lms:
+            z = F.gelu(a).to(torch.float64)
+        z.sum().backward()
+    assert len(lms._engine.rebuilds.recipes) == 0
+
+
+def test_torch_compile_compiles_inside_the_recorder():
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(32, 64)
+    ref = _train(model, x)
+    lms = make_lms("sim", recompute=True)
+    for _ in range(2):
+        assert_same(ref, _train(compiled, x, lms=lms))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+class _LoggedStatistic(torch.nn.Module):
+    """A statistic logged with grad on saves a tensor and drops its graph at once: the input's
+    entry is gone by the time the cast of that tensor is saved; its own recipe makes it."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.w = torch.nn.Parameter(torch.randn(d, d, dtype=torch.float64) / 8)
+
+    def forward(self, x):
+        a = F.gelu(self.lin(x))
+        self.stat = a.norm().item()
+        return a.to(torch.float64) @ self.w
+
+
+def test_an_input_whose_entry_died_in_forward_is_made_by_its_own_recipe():
+    torch.manual_seed(0)
+    model = _LoggedStatistic()
+    x = torch.randn(32, 64)
+    ref = _train(model, x)
+    lms = make_lms("sim", recompute=True)
+    engine = lms._engine
+    for _ in range(4):
+        assert_same(ref, _train(model, x, lms=lms))
+        with lms:                              # a step boundary: everything given back
+            pass
+        assert engine._ahead == 0 and not engine._order and engine.host.used_bytes == 0
+    assert _steps(lms)[-2]["rebuilt_bytes"] > 0
+
+
+def test_leaving_the_block_inside_backward_leaves_no_recorder_behind():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    torch.manual_seed(0)
+    model = _GeluPair()
+    x = torch.randn(32, 64)
+    ref = _train(model, x)
+    lms = make_lms("sim", recompute=True)
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        lms.__enter__()
+        loss = model(x).square().mean()
+        loss.register_hook(lambda g: lms.__exit__(None, None, None))
+        loss.backward()
+    x.requires_grad_()
+    (x * x.exp()).sum()                        # a save outside LMS pops what was left
+    assert _get_current_dispatch_mode_stack() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert_same(ref, _train(model, x.detach(), lms=lms))
+
+
+def _lines_of(fn):
+    import inspect
+    lines, first = inspect.getsourcelines(fn)
+    body = [first + i for i, line in enumerate(lines) if line.strip()
+            and not line.strip().startswith(("def ", '"""', "#")) and i > 0]
+    return body
+
+
+@pytest.mark.parametrize("line", _lines_of(SwapEngine._rebuild))
+def test_an_interrupt_anywhere_in_a_rebuild_leaves_the_lms_usable(line):
+    """A KeyboardInterrupt raised at each line of the engine's rebuild (as Ctrl-C could): the
+    step fails, the next steps are exact, and a step boundary gives everything back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                  for _ in range(4)])
+    x = torch.randn(32, 64)
+    ref = _train(model, x)
+    lms = make_lms("sim", recompute=True)
+    _train(model, x, lms=lms)                  # checks GELU's rebuilds: trusted from here
+    code = SwapEngine._rebuild.__code__
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == line:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+        return local
+
+    def interrupted(out):
+        sys.settrace(tracer)
+        try:
+            out.square().mean().backward()
+        finally:
+            sys.settrace(None)
+        return out.detach().sum()
+
+    try:
+        _train(model, x, lms=lms, backward=interrupted)
+        pytest.skip("that line does not run on this device (another stream's branch)")
+    except KeyboardInterrupt:
+        pass
+    gc.collect()
+    for _ in range(2):
+        assert_same(ref, _train(model, x, lms=lms))
+    engine = lms._engine
+    with lms:
+        assert engine.host.used_bytes == 0 and engine._ahead == 0
+    lms.close()
