@@ -132,6 +132,15 @@ def _train(model, x, lms=None, autocast=False, create_graph=False, backward=None
     return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
 
 
+def _setup(build, shape, kind="sim", **train):
+    """A seeded model, its input, its (loss, gradients) without LMS, and an LMS with recompute."""
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = build().to(dev)
+    x = torch.randn(*shape, device=dev)
+    return model, x, _train(model, x, **train), make_lms(kind, recompute=True)
+
+
 def _steps(lms):
     stats = lms.stats()
     return stats["history"] + [stats["last_step"]]
@@ -339,11 +348,6 @@ class _LateInput(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", DEVICES)
 def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
-    dev = torch_device(kind)
-    torch.manual_seed(0)
-    model = _LateInput().to(dev)
-    x = torch.randn(32, 64, device=dev)
-
     def in_two(out):
         m, z = out
         model.scale.grad, = torch.autograd.grad(m.sum(), [model.scale])   # frees its saved h
@@ -351,6 +355,10 @@ def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
         z.sum().backward()              # needs the cast of h: rebuilt from the pinned h
         return z.detach().sum()
 
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    model = _LateInput().to(dev)
+    x = torch.randn(32, 64, device=dev)
     ref = _train(model, x, backward=in_two)
     lms = make_lms(kind, recompute=True)
     for _ in range(3):
@@ -531,11 +539,7 @@ class _LoggedStatistic(torch.nn.Module):
 
 
 def test_an_input_whose_entry_died_in_forward_is_made_by_its_own_recipe():
-    torch.manual_seed(0)
-    model = _LoggedStatistic()
-    x = torch.randn(32, 64)
-    ref = _train(model, x)
-    lms = make_lms("sim", recompute=True)
+    model, x, ref, lms = _setup(_LoggedStatistic, (32, 64))
     engine = lms._engine
     for _ in range(4):
         assert_same(ref, _train(model, x, lms=lms))
@@ -547,11 +551,7 @@ def test_an_input_whose_entry_died_in_forward_is_made_by_its_own_recipe():
 
 def test_leaving_the_block_inside_backward_leaves_no_recorder_behind():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    torch.manual_seed(0)
-    model = _GeluPair()
-    x = torch.randn(32, 64)
-    ref = _train(model, x)
-    lms = make_lms("sim", recompute=True)
+    model, x, ref, lms = _setup(_GeluPair, (32, 64))
     for _ in range(5):
         model.zero_grad(set_to_none=True)
         lms.__enter__()
@@ -577,12 +577,8 @@ def _lines_of(fn):
 def test_an_interrupt_anywhere_in_a_rebuild_leaves_the_lms_usable(line):
     """A KeyboardInterrupt raised at each line of the engine's rebuild (as Ctrl-C could): the
     step fails, the next steps are exact, and a step boundary gives everything back."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
-                                  for _ in range(4)])
-    x = torch.randn(32, 64)
-    ref = _train(model, x)
-    lms = make_lms("sim", recompute=True)
+    model, x, ref, lms = _setup(lambda: torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)]), (32, 64))
     _train(model, x, lms=lms)                  # checks GELU's rebuilds: trusted from here
     code = SwapEngine._rebuild.__code__
 
