@@ -62,7 +62,7 @@ themselves) is offloaded without a copy when the engine would otherwise swap it:
 dropped at once, and backward runs the op again at its first use, on its stream, from its inputs
 (a swapped input is brought back for it, early by the little that separates the two uses: an
 op's output is used in backward just before its input). The recipe pins its inputs' entries
-(``pins``), so an input no handle holds any more still outlives it; kept inputs are held by
+(``pinned_by``), so an input no handle holds any more still outlives it; kept inputs are held by
 their storage. Until a recipe's signature has matched bit for bit on this device, the storage is
 swapped as usual and carries the recipe as a check: its first use rebuilds it beside the copy
 and compares on the GPU (``Rebuilds.check``); the step's end reads the comparisons, and only
@@ -232,6 +232,11 @@ def _modified_error(kind: str, size, producer, now: int, saved: int, how: str) -
         "modify it only after backward.")
 
 
+def _bytes_of(storage) -> torch.Tensor:
+    """A storage's bytes as a uint8 tensor on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _finish_copies(d2h, h2d) -> None:
     try:
         d2h.synchronize()
@@ -254,7 +259,7 @@ class _TorchCopies:
         self.on_h2d = device.stream(h2d)
 
     def copy_out(self, storage, slot: HostSlot, stream):
-        source = torch.empty(0, dtype=torch.uint8, device=self.device.torch_device).set_(storage)
+        source = _bytes_of(storage)
         self.ready.record(stream)
         self.ready.wait(self.d2h)                          # Rule 1
         with self.on_d2h:
@@ -929,7 +934,7 @@ class SwapEngine:
                     self.plan.mark_live(s.seq)
                     self.step.live_bytes += s.nbytes
                     self.step.live_tensors += 1
-                return torch.empty(0, dtype=torch.uint8, device=live.device).set_(live)
+                return _bytes_of(live)
             if s.consumed and not for_recipe:
                 self._new_pass(s)
             if s.host is None and s.recipe is not None:
@@ -962,7 +967,7 @@ class SwapEngine:
         storage = out.untyped_storage()
         self.device.note_saved(storage)
         s.fetch_done, s.fetch_waited, s.unpacked = None, True, 0
-        s.gpu = torch.empty(0, dtype=torch.uint8, device=out.device).set_(storage)
+        s.gpu = _bytes_of(storage)
         s.generation += 1
         self._ahead += s.nbytes
         self._use_delta += s.nbytes
@@ -998,9 +1003,7 @@ class SwapEngine:
         wrong in it, backward goes on with the copy, and the signature is not trusted."""
         s.check = False
         try:
-            original = torch.empty(0, dtype=torch.uint8, device=data.device).set_(
-                data.untyped_storage())
-            self.rebuilds.check(s.recipe, original, self._recipe_input)
+            self.rebuilds.check(s.recipe, _bytes_of(data.untyped_storage()), self._recipe_input)
         except Exception:       # noqa: BLE001 - e.g. an input modified in place: not trusted
             pass
         finally:

@@ -141,21 +141,20 @@ def _setup(build, shape, kind="sim", **train):
     return model, x, _train(model, x, **train), make_lms(kind, recompute=True)
 
 
+def _gelu_mlp(d=64):
+    return torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU(), torch.nn.Linear(d, d))
+
+
 def _steps(lms):
     stats = lms.stats()
     return stats["history"] + [stats["last_step"]]
 
 
-def _check_rebuilt(kind, build, shape, steps=3, lms=None, **train):
+def _check_rebuilt(kind, build, shape, steps=3, **train):
     """Train ``build()`` with recompute on at lms_frac 0: every step's gradients equal the run
     without LMS, step 1 checks rebuilds bit for bit beside the copies, and later steps rebuild
     instead of moving. Returns the LMS."""
-    dev = torch_device(kind)
-    torch.manual_seed(0)
-    model = build().to(dev)
-    x = torch.randn(*shape, device=dev)
-    ref = _train(model, x, **train)
-    lms = lms or make_lms(kind, recompute=True)
+    model, x, ref, lms = _setup(build, shape, kind, **train)
     for _ in range(steps):
         assert_same(ref, _train(model, x, lms=lms, **train))
     lms.close()
@@ -254,15 +253,9 @@ def test_tied_weights_train_exactly(kind):
 @pytest.mark.parametrize("kind", DEVICES)
 def test_double_backward_trains_exactly(kind):
     def gelu_mlp():
-        layers = [torch.nn.Linear(64, 64), torch.nn.GELU()] * 1
-        return torch.nn.Sequential(*layers, torch.nn.Linear(64, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 64))
-    dev = torch_device(kind)
-    torch.manual_seed(0)
-    model = gelu_mlp().to(dev)
-    x = torch.randn(32, 64, device=dev)
-    ref = _train(model, x, create_graph=True)
-    lms = make_lms(kind, recompute=True)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), _gelu_mlp())
+
+    model, x, ref, lms = _setup(gelu_mlp, (32, 64), kind, create_graph=True)
     for _ in range(3):
         assert_same(ref, _train(model, x, lms=lms, create_graph=True))
     assert _steps(lms)[-1]["rebuilt_bytes"] > 0
@@ -475,10 +468,7 @@ def test_an_input_written_in_place_after_its_recipe_is_not_rebuilt_by_it():
 
 
 def test_a_parameter_changed_before_backward_fails_clearly_where_it_feeds_a_rebuild():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
-    x = torch.randn(32, 64)
-    lms = make_lms("sim", recompute=True)
+    model, x, _, lms = _setup(_gelu_mlp, (32, 64))
     _train(model, x, lms=lms, autocast=True)      # checks the bf16 weight casts: trusted
 
     def step_then_backward(out):
@@ -511,12 +501,8 @@ def test_torch_compile_compiles_inside_the_recorder():
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     counter = CompileCounter()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    model, x, ref, lms = _setup(_gelu_mlp, (32, 64))
     compiled = torch.compile(model, backend=counter)
-    x = torch.randn(32, 64)
-    ref = _train(model, x)
-    lms = make_lms("sim", recompute=True)
     for _ in range(2):
         assert_same(ref, _train(compiled, x, lms=lms))
     assert counter.frame_count == 1
