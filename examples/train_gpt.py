@@ -6,11 +6,11 @@ and AdamW. The tokens are random, so the loss shows that training runs, not that
 Each step prints its time and peak GPU memory; the LMS summary comes at the end.
 
     python examples/train_gpt.py                                    # plain PyTorch
-    python examples/train_gpt.py --lms 1000 --lms-frac 0.8          # LMS enabled by the script
-    lmsrt run --lms 1000 --lms-frac 0.8 examples/train_gpt.py       # LMS enabled by the launcher
+    python examples/train_gpt.py --lms 1000                         # LMS enabled by the script
+    lmsrt run --lms 1000 examples/train_gpt.py                      # LMS enabled by the launcher
     python examples/train_gpt.py --gpu-limit 10                     # as on a 10 GiB GPU: OOM
-    python examples/train_gpt.py --gpu-limit 10 --lms 1000 --lms-frac 0.7   # trains
-    lmsrt run --gpu-limit 10 --lms 1000 --lms-frac 0.7 examples/train_gpt.py
+    python examples/train_gpt.py --gpu-limit 10 --lms 1000       # trains (lms_frac auto)
+    lmsrt run --gpu-limit 10 --lms 1000 examples/train_gpt.py
 
 The defaults (d_model 1024, 16 layers, batch 8, seq 2048) save about 10 GiB for backward per
 step, and the weights, gradients and AdamW state take 3.5 GiB more. Pick a --gpu-limit below the
@@ -38,7 +38,8 @@ import lmsrt
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
 parser.add_argument("--lms", type=float, default=None, help="LMS threshold in KB (default: off)")
-parser.add_argument("--lms-frac", type=float, default=0.75, help="GPU use before swapping starts")
+parser.add_argument("--lms-frac", type=lambda v: v if v == "auto" else float(v), default="auto",
+                    help="GPU use before swapping starts, or auto (lmsrt finds it)")
 parser.add_argument("--batch-size", type=int, default=8)
 parser.add_argument("--seq-len", type=int, default=2048)
 parser.add_argument("--layers", type=int, default=16)
@@ -63,7 +64,7 @@ if os.environ.get("LMSRT_ACTIVE") == "1":
     print("LMS: enabled by lmsrt run" + (" (this script's --lms is ignored)" if args.lms else ""))
 elif args.lms is not None:
     lms = lmsrt.LMS(lms=args.lms, lms_frac=args.lms_frac, device=None if cuda else "sim")
-    print(f"LMS: enabled by the script (lms={args.lms:g} KB, lms_frac={args.lms_frac:g})")
+    print(f"LMS: enabled by the script (lms={args.lms:g} KB, lms_frac={args.lms_frac})")
 else:
     print("LMS: off")
 
@@ -126,12 +127,12 @@ for step in range(args.steps):
         loss = loss.item()       # waits for the GPU, so the step time is the GPU's
     except torch.cuda.OutOfMemoryError as e:
         if lms is not None or os.environ.get("LMSRT_ACTIVE"):
-            print(f"step {step}: out of GPU memory with LMS on. Lower --lms-frac (swap from "
-                  "lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
+            print(f"step {step}: out of GPU memory with LMS on. Give a low --lms-frac (swap "
+                  "from lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
                   f"{e}")
         else:
-            print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000 --lms-frac 0.7, or "
-                  "lmsrt run --lms 1000 --lms-frac 0.7 examples/train_gpt.py ...")
+            print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000, or "
+                  "lmsrt run --lms 1000 examples/train_gpt.py ...")
         sys.exit(1)
     times.append(time.perf_counter() - t0)
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "n/a (CPU)"

@@ -7,10 +7,10 @@ so the loss shows that training runs, not that it learns. Each step prints its t
 memory; the LMS summary comes at the end.
 
     python examples/train_segnet.py                                   # plain PyTorch
-    python examples/train_segnet.py --lms 1000 --lms-frac 0.8         # LMS enabled by the script
-    lmsrt run --lms 1000 --lms-frac 0.8 examples/train_segnet.py      # LMS enabled by the launcher
+    python examples/train_segnet.py --lms 1000                        # LMS enabled by the script
+    lmsrt run --lms 1000 examples/train_segnet.py                     # LMS enabled by the launcher
     python examples/train_segnet.py --gpu-limit 6                     # as on a smaller GPU: OOM
-    python examples/train_segnet.py --gpu-limit 6 --lms 1000 --lms-frac 0.7   # trains
+    python examples/train_segnet.py --gpu-limit 6 --lms 1000       # trains (lms_frac auto)
 
 At full resolution each image saves about 1.6 GiB for backward, most of it in the first and last
 stage, so the default batch of 6 saves about 10 GiB: more than an 8 GB card holds. Pick a
@@ -38,7 +38,8 @@ import lmsrt
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
 parser.add_argument("--lms", type=float, default=None, help="LMS threshold in KB (default: off)")
-parser.add_argument("--lms-frac", type=float, default=0.75, help="GPU use before swapping starts")
+parser.add_argument("--lms-frac", type=lambda v: v if v == "auto" else float(v), default="auto",
+                    help="GPU use before swapping starts, or auto (lmsrt finds it)")
 parser.add_argument("--batch-size", type=int, default=6)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--stages", type=int, default=5, help="encoder (and decoder) stages")
@@ -64,7 +65,7 @@ if os.environ.get("LMSRT_ACTIVE") == "1":
     print("LMS: enabled by lmsrt run" + (" (this script's --lms is ignored)" if args.lms else ""))
 elif args.lms is not None:
     lms = lmsrt.LMS(lms=args.lms, lms_frac=args.lms_frac, device=None if cuda else "sim")
-    print(f"LMS: enabled by the script (lms={args.lms:g} KB, lms_frac={args.lms_frac:g})")
+    print(f"LMS: enabled by the script (lms={args.lms:g} KB, lms_frac={args.lms_frac})")
 else:
     print("LMS: off")
 
@@ -127,12 +128,12 @@ for step in range(args.steps):
         loss = loss.item()       # waits for the GPU, so the step time is the GPU's
     except torch.cuda.OutOfMemoryError as e:
         if lms is not None or os.environ.get("LMSRT_ACTIVE"):
-            print(f"step {step}: out of GPU memory with LMS on. Lower --lms-frac (swap from "
-                  "lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
+            print(f"step {step}: out of GPU memory with LMS on. Give a low --lms-frac (swap "
+                  "from lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
                   f"{e}")
         else:
-            print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000 --lms-frac 0.7, or "
-                  "lmsrt run --lms 1000 --lms-frac 0.7 examples/train_segnet.py ...")
+            print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000, or "
+                  "lmsrt run --lms 1000 examples/train_segnet.py ...")
         sys.exit(1)
     times.append(time.perf_counter() - t0)
     peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "n/a (CPU)"

@@ -303,6 +303,10 @@ class _NativeCopies:
         return self.native.view(data, ref.dtype, ref.size, ref.stride, ref.offset)
 
 
+def _no_entry(t: torch.Tensor) -> None:
+    return None
+
+
 class SwapEngine:
     """Swaps saved tensors between the GPU and pinned host memory for one ``LMS`` object."""
 
@@ -329,7 +333,11 @@ class SwapEngine:
         self.limit = device.memory_limit()
         self.policy = make_policy(config.lms_frac, self.limit, self.window)
         # NOTE [ Rebuilt storages ]; its recorders are entered with the hooks (lms.py).
-        self.rebuilds = Rebuilds(device, self._entry_of) if config.recompute else None
+        # Asked through a weak method: the table must not keep the engine alive (a dropped LMS
+        # is freed at once, without the cycle collector).
+        entry_of = weakref.WeakMethod(self._entry_of)
+        self.rebuilds = (Rebuilds(device, lambda t: (entry_of() or _no_entry)(t))
+                         if config.recompute else None)
         self._sigs: dict = {}           # forward point -> signature of its recipe, this step
         self._lock = threading.RLock()
         self._dead: collections.deque = collections.deque()   # watches of dropped handles

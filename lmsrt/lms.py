@@ -111,6 +111,16 @@ def _close_all() -> None:
             pass
 
 
+class _Default:
+    """``lms`` or ``lms_frac`` not given: its default (``OPTIONS``), or the config's."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT = _Default()
+
+
 class LMS:
     """Large model support: swap tensors saved for backward to pinned host memory and back.
 
@@ -138,8 +148,7 @@ class LMS:
         print(lms.summary())
     """
 
-    def __init__(self, lms: float = OPTIONS["lms"].default,
-                 lms_frac: Union[float, str] = OPTIONS["lms_frac"].default, *,
+    def __init__(self, lms: float = _DEFAULT, lms_frac: Union[float, str] = _DEFAULT, *,
                  device=None, config: Optional[LMSConfig] = None, **settings):
         unknown = [name for name in settings if name not in OPTIONS]
         if unknown:
@@ -147,15 +156,17 @@ class LMS:
                             f"settings are {', '.join(OPTIONS)}")
         if isinstance(device, torch.device):
             device = str(device)
+        # lms and lms_frac not given take their defaults, and do not clash with a config.
+        given = {k: v for k, v in dict(lms=lms, lms_frac=lms_frac).items() if v is not _DEFAULT}
+        given.update(settings)
         if config is None:
             spec = device if device is None or isinstance(device, str) else None
-            config = LMSConfig(lms=lms, lms_frac=lms_frac, device=spec, **settings)
+            config = LMSConfig(device=spec, **given)
         elif not isinstance(config, LMSConfig):
             raise TypeError(f"config must be an lmsrt.LMSConfig, got {type(config).__name__}; "
                             "build one with lmsrt.LMSConfig(lms=..., lms_frac=...)")
         else:
-            given = dict(lms=lms, lms_frac=lms_frac, **settings)
-            clash = [k for k, v in given.items() if v != OPTIONS[k].default]
+            clash = list(given)
             if clash:
                 raise TypeError(f"pass either config or {', '.join(clash)}, not both: put "
                                 f"them in the config, e.g. "
@@ -260,6 +271,8 @@ class LMS:
             "last_step": step.as_dict(),
             "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
             | {"steps": 0},
+            "rebuild_refused": dict(self._engine.rebuilds.refusals)
+            if self._engine and self._engine.rebuilds else {},
             "history": [s.as_dict() for s in self._engine.run_stats.history] if self._engine else [],
         }
 

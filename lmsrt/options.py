@@ -11,7 +11,7 @@ tests/test_options.py fails if one of those places misses it.
 Example::
 
     from lmsrt.options import OPTIONS, spelled
-    OPTIONS["lms_frac"].default      # 0.75
+    OPTIONS["lms_frac"].default      # 'auto'
     spelled("host_budget_gb")        # '--host-budget-gb, LMSRT_HOST_BUDGET_GB'
 
 NOTE [ Settings are checked as byte counts ]
@@ -112,12 +112,12 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            help="Saved tensors smaller than this stay on the GPU.",
            give="the size threshold in KB (0 turns swapping off)",
            unit="KB", scale=KiB, signed=True),
-    Option("lms_frac", 0.75, Union[float, Literal["auto"]], "LMSRT_LMS_FRAC", "--lms-frac",
+    Option("lms_frac", AUTO, Union[float, Literal["auto"]], "LMSRT_LMS_FRAC", "--lms-frac",
            doc="no swapping while this process's GPU use stays under ``lms_frac`` times the "
                "memory it may use (the device's total, or the per-process cap when one is set); "
                "above it, swap as little as is needed to stay under. In [0, 1]; 0 swaps every "
-               "eligible tensor. ``\"auto\"``: lmsrt learns the model's own GPU use and keeps "
-               "what it holds under what is left.",
+               "eligible tensor. ``\"auto\"`` (the default): lmsrt learns the model's own GPU use "
+               "over the first step and keeps what it holds under what is left.",
            what="in [0, 1]", example="0.75", metavar="F|auto",
            help="No swapping while GPU use is under F times what the process may use; auto: "
                 "lmsrt learns the model's own use and finds it.",
@@ -134,12 +134,13 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            what="GiB, >= 0, or None for 80% of the free host memory", example="64",
            metavar="G", help="Most pinned host memory per process.", give="GiB per process",
            unit="GiB", scale=GiB, none=True),
-    Option("recompute", False, bool, "LMSRT_RECOMPUTE", "--recompute",
+    Option("recompute", True, bool, "LMSRT_RECOMPUTE", "--recompute",
            doc="rebuild cheap saved tensors in backward (GELU's and LayerNorm's outputs, "
                "autocast's casts) from their inputs instead of moving them, where lmsrt would "
-               "otherwise swap them; each kind is first checked bit for bit against a copy. "
-               "Rebuilds read parameters as they are in backward: leave it off where they "
-               "change between forward and backward (through .data, FSDP or ZeRO-3 resharding).",
+               "otherwise swap them; each kind is first checked bit for bit against a copy (on "
+               "by default). Rebuilds read parameters as they are in backward: turn it off where "
+               "they change between forward and backward (through .data, FSDP or ZeRO-3 "
+               "resharding).",
            what="on or off", example="on", metavar="on|off",
            help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) instead of moving them.",
            give="on or off", check=_check_switch("recompute")),

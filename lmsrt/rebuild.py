@@ -291,7 +291,10 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = REBUILDABLE.get(func)
+        # Not in backward, nor where autograd saves nothing (no_grad, inference mode, whose
+        # tensors have no version counter to check a recipe by).
         if (op is None or torch._C._current_graph_task_id() != -1
+                or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
                 or not all(t is torch.Tensor or t is torch.nn.Parameter for t in types)
                 or not all(_plain(a) for a in args if isinstance(a, torch.Tensor))):
             return func(*args, **kwargs)
@@ -346,7 +349,7 @@ class Recorder(TorchDispatchMode):
 
 def _plain(t: torch.Tensor) -> bool:
     """A dense strided tensor with one storage (not nested, sparse, or a subclass's wrapper)."""
-    return t.layout == torch.strided and not t.is_nested
+    return t.layout == torch.strided and not t.is_nested and not t.is_inference()
 
 
 def _whole(t) -> bool:
@@ -361,10 +364,14 @@ def _forget(recipes: dict, key: int):
     return gone
 
 
-# A rebuild is worth it while its kernel takes less time than its bytes take over the link one
-# way (half the ~55 GB/s measured for pinned copies: a bound no listed op comes near; they are
-# memory-bound, ~100x faster).
+# A rebuild is worth it while it takes less GPU time than the two copies it saves (out in
+# forward, back in backward): their bytes over the link each way (half the ~55 GB/s measured for
+# pinned copies: a bound no listed op comes near; they are memory-bound, ~100x faster) and each
+# copy's own cost beside its bytes (pack_overhead on an H200: a swapped tensor costs ~50 us more
+# than one kept). The rebuild is timed by events around it: on an idle GPU that includes its
+# launch, which for a small tensor is most of it.
 _LINK_BYTES_PER_S = 25e9
+_COPY_FIXED_S = 25e-6
 
 
 class Rebuilds:
@@ -383,6 +390,7 @@ class Rebuilds:
         self.entry_of = entry_of
         self.trusted: set = set()
         self.refused: Dict[tuple, str] = {}      # signature -> why it is not rebuilt
+        self.refusals: Dict[str, str] = {}       # op name -> why (the last such signature's)
         self._checks: list = []                  # (recipe, differs?, start, end), this step
         self._timed: list = []                   # (start, end) of rebuilds in backward
 
@@ -453,16 +461,23 @@ class Rebuilds:
         for (recipe, _, start, end), bad in zip(checks, differs):
             sig = recipe.signature
             if bad:
-                self.refused[sig] = "did not rebuild bit for bit"
+                self._refuse(recipe, "did not rebuild bit for bit")
                 self.trusted.discard(sig)
                 mismatched.append(recipe.name)
             elif sig not in self.refused:
                 took = start.elapsed_time(end) / 1e3
-                if took > recipe.nbytes / _LINK_BYTES_PER_S:
-                    self.refused[sig] = f"rebuilt in {took * 1e3:.2f} ms, slower than a copy"
+                copies = 2 * (_COPY_FIXED_S + recipe.nbytes / _LINK_BYTES_PER_S)
+                if took > copies:
+                    self._refuse(recipe, f"rebuilt in {took * 1e3:.3f} ms, slower than its "
+                                         f"copies ({copies * 1e3:.3f} ms)")
                 else:
                     self.trusted.add(sig)
         return ms, len(checks), sorted(set(mismatched))
+
+
+    def _refuse(self, recipe: Recipe, why: str) -> None:
+        self.refused[recipe.signature] = why
+        self.refusals[recipe.name] = why
 
 
 def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:

@@ -173,4 +173,6 @@ def format_summary(stats: Dict[str, object]) -> str:
             else:
                 cells.append(f"{v:14d}")
         lines.append(f"{name:22}" + "".join(cells))
+    for op, why in stats.get("rebuild_refused", {}).items():
+        lines.append(f"not rebuilt: {op} ({why})")
     return "\n".join(lines)

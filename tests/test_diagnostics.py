@@ -42,7 +42,7 @@ def test_an_error_is_annotated_once():
     diagnostics = Diagnostics()
     for _ in range(2):
         diagnostics.annotate_oom(
-            exc, "in forward", config=LMSConfig(), policy=make_policy(0.75, GiB, GiB),
+            exc, "in forward", config=LMSConfig(lms_frac=0.75), policy=make_policy(0.75, GiB, GiB),
             step=StepStats(), allocated=0, peak=0, limit=GiB, largest=(0, 0), host_refused=0)
     assert str(exc).count("lmsrt: out of GPU memory") == 1
 

@@ -257,7 +257,7 @@ def test_summary_and_stats_shape():
                 "swapin_wait_ms", "gpu_peak_bytes", "host_peak_bytes"):
         assert key in s["last_step"] and key in s["total"]
     text = lms.summary()
-    assert "swapped out" in text and "prefetch hits" in text and len(text.splitlines()) < 25
+    assert "swapped out" in text and "prefetch hits" in text and len(text.splitlines()) < 30
 
 
 def test_nested_with_is_refused():

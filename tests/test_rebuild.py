@@ -19,11 +19,17 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.rebuild import Recipe, Recorder, census, view_of
-from models import (DEVICES, Block, assert_same, lmsrt_warnings, make_lms, torch_device,
-                    train_step)
+from models import (DEVICES, Block, assert_same, lmsrt_warnings, make_lms, rebuild_small_tensors,
+                    torch_device, train_step)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from workloads import GPTBlock  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _small_rebuilds_pay(request, monkeypatch):
+    callspec = getattr(request.node, "callspec", None)
+    rebuild_small_tensors(callspec.params.get("kind", "sim") if callspec else "sim", monkeypatch)
 
 
 def _blocks(d=64, n=2):
@@ -382,10 +388,28 @@ def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
     assert steps[0]["rebuild_checks"] > 0
     assert all(s["recipe_bytes"] == 0 and s["rebuilt_bytes"] == 0 for s in steps), steps
     assert any("did not give back the original bit for bit" in m for m in said), said
+    assert lms.stats()["rebuild_refused"] == {"gelu": "did not rebuild bit for bit"}
+    assert "not rebuilt: gelu (did not rebuild bit for bit)" in lms.summary()
+
+
+def test_a_rebuild_slower_than_its_copies_is_refused_and_said(monkeypatch):
+    monkeypatch.setattr(type(SimulatedDevice().new_event(timing=True)), "elapsed_time",
+                        lambda self, other: 5.0)          # ms: every rebuild timed at 5 ms
+    lms = make_lms("sim", recompute=True)
+    torch.manual_seed(0)
+    model = _GeluPair()
+    x = torch.randn(32, 64)
+    ref = _train(model, x)
+    for _ in range(3):
+        assert_same(ref, _train(model, x, lms=lms))
+    assert all(s["recipe_bytes"] == 0 for s in _steps(lms))
+    why = lms.stats()["rebuild_refused"]["gelu"]
+    assert why.startswith("rebuilt in 5.000 ms, slower than its copies (0.0"), why
+    assert "not rebuilt: gelu (rebuilt in 5.000 ms" in lms.summary()
 
 
 def test_recompute_off_rebuilds_nothing_and_records_nothing():
-    lms = make_lms("sim")
+    lms = make_lms("sim", recompute=False)
     assert lms._engine.rebuilds is None
     model = _GeluPair()
     x = torch.randn(32, 64)

@@ -30,8 +30,8 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.host import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
 from lmsrt.units import GiB
-from models import (DEVICES, assert_same, lmsrt_warnings, make_lms, mlp, run_threads,
-                    torch_device, train_step, transformer)
+from models import (DEVICES, assert_same, lmsrt_warnings, make_lms, mlp, rebuild_small_tensors,
+                    run_threads, torch_device, train_step, transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -547,7 +547,8 @@ def test_threads_share_one_lms_with_exact_gradients(kind):
 
 
 @pytest.mark.parametrize("kind", DEVICES)
-def test_threads_share_one_lms_rebuilding_with_exact_gradients(kind):
+def test_threads_share_one_lms_rebuilding_with_exact_gradients(kind, monkeypatch):
+    rebuild_small_tensors(kind, monkeypatch)
     # Each thread records on its own recorder into the one table; rebuilds read pinned inputs.
     lms = _check_threads(kind, recompute=True)
     assert lms.stats()["total"]["rebuilt_bytes"] > 0

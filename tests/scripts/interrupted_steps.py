@@ -34,7 +34,8 @@ def _after_lmsrt():
 
 
 engine = None
-from models import assert_same, make_lms, mlp, torch_device, train_step   # noqa: E402 (lmsrt)
+from models import (assert_same, make_lms, mlp, rebuild_small_tensors,  # noqa: E402 (lmsrt)
+                    torch_device, train_step)
 
 # Not what this script checks, and not there when lmsrt was built with a compiler.
 warnings.filterwarnings("ignore", message="lmsrt: the native allocator")
@@ -50,6 +51,7 @@ else:
     model = mlp(d=64, layers=6).to(dev)
 x = torch.randn(32, 64, device=dev)
 ref = train_step(model, x)
+rebuild_small_tensors(kind)
 lms = make_lms(kind, copy_lag=3, recompute=recompute)   # sim copies "in flight" for 3 queries
 engine = lms._engine
 if recompute:
