@@ -311,8 +311,9 @@ def main() -> None:
     ap.add_argument("--search", choices=("highest", "fastest"), default="highest",
                     help="lmsrt: the highest lms_frac that fits, or the fastest of the whole grid "
                          "(convolutions can need free memory for fast cuDNN algorithms)")
-    ap.add_argument("--recompute", choices=("off", "on", "both"), default="off",
-                    help="lmsrt's recompute setting; both: every lmsrt row twice")
+    ap.add_argument("--recompute", choices=("off", "on", "both"), default="on",
+                    help="lmsrt's recompute setting (on, as lmsrt's default); both: every lmsrt "
+                         "row twice")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=8, help="steps before timing (the plan settles)")
     ap.add_argument("--timeout", type=float, default=300)
