@@ -369,6 +369,19 @@ def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
     assert engine.host.used_bytes == 0 and all(s.dead for s in engine._order)
 
 
+def _three_exact_steps_of_a_gelu_pair():
+    """Three steps of a GELU pair on the simulated device with recompute on, each with the
+    gradients of the run without LMS; returns the LMS."""
+    lms = make_lms("sim", recompute=True)
+    torch.manual_seed(0)
+    model = _GeluPair()
+    x = torch.randn(32, 64)
+    ref = _train(model, x)
+    for _ in range(3):
+        assert_same(ref, _train(model, x, lms=lms))
+    return lms
+
+
 def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
     original = Recipe.run
 
@@ -377,13 +390,7 @@ def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
 
     monkeypatch.setattr(Recipe, "run", off_by_one)
     with lmsrt_warnings() as said:
-        lms = make_lms("sim", recompute=True)
-        torch.manual_seed(0)
-        model = _GeluPair()
-        x = torch.randn(32, 64)
-        ref = _train(model, x)
-        for _ in range(3):
-            assert_same(ref, _train(model, x, lms=lms))
+        lms = _three_exact_steps_of_a_gelu_pair()
     steps = _steps(lms)
     assert steps[0]["rebuild_checks"] > 0
     assert all(s["recipe_bytes"] == 0 and s["rebuilt_bytes"] == 0 for s in steps), steps
@@ -395,13 +402,7 @@ def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
 def test_a_rebuild_slower_than_its_copies_is_refused_and_said(monkeypatch):
     monkeypatch.setattr(type(SimulatedDevice().new_event(timing=True)), "elapsed_time",
                         lambda self, other: 5.0)          # ms: every rebuild timed at 5 ms
-    lms = make_lms("sim", recompute=True)
-    torch.manual_seed(0)
-    model = _GeluPair()
-    x = torch.randn(32, 64)
-    ref = _train(model, x)
-    for _ in range(3):
-        assert_same(ref, _train(model, x, lms=lms))
+    lms = _three_exact_steps_of_a_gelu_pair()
     assert all(s["recipe_bytes"] == 0 for s in _steps(lms))
     why = lms.stats()["rebuild_refused"]["gelu"]
     assert why.startswith("rebuilt in 5.000 ms, slower than its copies (0.0"), why
