@@ -1,6 +1,6 @@
 """Step time and peak memory of one workload with and without LMS, each setting in its own process.
 
-    PYTHONPATH=. python scripts/stepcheck.py --workload gpt --cap-gib 12 --fracs 0.6,0.7,0.8
+    PYTHONPATH=. python scripts/stepcheck.py --workload gpt --cap-gib 12 --fracs auto,0.6,0.7,0.8
 """
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 
-def run_one(workload: str, method: str, cap_gib: float, frac: float, steps: int, warmup: int) -> dict:
+def _frac(text: str):
+    """An lms_frac as given: the word auto, or a number."""
+    return text if text == "auto" else float(text)
+
+
+def run_one(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int) -> dict:
     import torch
     import lmsrt
     from workloads import build
@@ -60,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="gpt")
     ap.add_argument("--cap-gib", type=float, default=12)
-    ap.add_argument("--fracs", default="0.6,0.7,0.8")
+    ap.add_argument("--fracs", default="auto,0.6,0.7,0.8", help="lms_frac values (auto or numbers)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--save-on-cpu", action="store_true")
@@ -69,10 +74,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         method, cap, frac = args.child.split(":")
-        print(json.dumps(run_one(args.workload, method, float(cap), float(frac), args.steps, args.warmup)))
+        print(json.dumps(run_one(args.workload, method, float(cap), _frac(frac), args.steps, args.warmup)))
         return
     cases = [("none", 0, 0), ("none", args.cap_gib, 0), ("lms", args.cap_gib, 0.0)]
-    cases += [("lms", args.cap_gib, float(f)) for f in args.fracs.split(",") if f]
+    cases += [("lms", args.cap_gib, _frac(f)) for f in args.fracs.split(",") if f]
     if args.save_on_cpu:
         cases.append(("save_on_cpu", args.cap_gib, 0))
     rows = []
@@ -86,7 +91,7 @@ def main() -> None:
             res = {"outcome": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
         res.update(method=method, cap_gib=cap, lms_frac=frac)
         rows.append(res)
-        print(f"  {method:12} cap={cap or '-':>4} frac={frac:<4} -> {res.get('outcome')}", flush=True)
+        print(f"  {method:12} cap={cap or '-':>4} frac={frac!s:<4} -> {res.get('outcome')}", flush=True)
     ref = next((r["step_s"] for r in rows if r["method"] == "none" and not r["cap_gib"]
                 and r["outcome"] == "ok"), None)
     print(f"\n{args.workload}: step time and peak allocated (median of {args.steps} steps)")
