@@ -381,7 +381,7 @@ class Rebuilds:
     A signature is trusted only after a rebuild of it matched the original bit for bit on this
     device: until then the engine swaps the tensor as usual and, when backward brings it back,
     rebuilds it too and compares (``check``); the comparisons are read once, at the end of the
-    step (``finish_step``). A mismatch, or a rebuild slower than the copy it saves, and that
+    step (``finish_step``). A mismatch, or a rebuild slower than the two copies it saves, and that
     signature is never rebuilt again in this run."""
 
     def __init__(self, device, entry_of: Callable[[torch.Tensor], object]):
