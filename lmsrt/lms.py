@@ -271,7 +271,7 @@ class LMS:
             "last_step": step.as_dict(),
             "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
             | {"steps": 0},
-            "rebuild_refused": dict(self._engine.rebuilds.refusals)
+            "rebuild_refused": self._engine.rebuilds.refusals()
             if self._engine and self._engine.rebuilds else {},
             "history": [s.as_dict() for s in self._engine.run_stats.history] if self._engine else [],
         }

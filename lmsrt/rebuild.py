@@ -390,9 +390,8 @@ class Rebuilds:
         self.entry_of = entry_of
         self.trusted: set = set()
         self.refused: Dict[tuple, str] = {}      # signature -> why it is not rebuilt
-        self.refusals: Dict[str, str] = {}       # op name -> why (the last such signature's)
         self._checks: list = []                  # (recipe, differs?, start, end), this step
-        self._timed: list = []                   # (start, end) of rebuilds in backward
+        self._timed_runs: list = []              # (start, end) of rebuilds in backward
 
     def recorder(self) -> Recorder:
         """A recorder for one thread, writing this table."""
@@ -418,25 +417,27 @@ class Rebuilds:
             return None
         return recipe if recipe.inputs_saved(available) else None
 
-    def run(self, recipe: Recipe, resolve: Callable[[_Input], Optional[torch.Tensor]]):
-        """Rebuild ``recipe``'s output (timed on the GPU)."""
-        args = recipe.arguments(resolve)     # inputs brought back first: not the rebuild's time
+    def _timed(self, recipe: Recipe, resolve) -> tuple:
+        """(output, start, end): ``recipe`` run between two timing events, its inputs brought
+        back first (not the rebuild's time)."""
+        args = recipe.arguments(resolve)
         start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
         start.record()
         out = recipe.run(args)
         end.record()
-        self._timed.append((start, end))
+        return out, start, end
+
+    def run(self, recipe: Recipe, resolve: Callable[[_Input], Optional[torch.Tensor]]):
+        """Rebuild ``recipe``'s output (timed on the GPU)."""
+        out, start, end = self._timed(recipe, resolve)
+        self._timed_runs.append((start, end))
         return out
 
     def check(self, recipe: Recipe, original: torch.Tensor,
               resolve: Callable[[_Input], Optional[torch.Tensor]]) -> None:
         """Rebuild ``recipe``'s output and queue a bitwise comparison with ``original`` (the
         storage's bytes, as uint8) on the GPU; read at the end of the step."""
-        args = recipe.arguments(resolve)
-        start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
-        start.record()
-        out = recipe.run(args)
-        end.record()
+        out, start, end = self._timed(recipe, resolve)
         storage = out.untyped_storage()
         differs = torch.ne(_view(storage, torch.uint8, 0, (storage.nbytes(),), (1,)), original).any()
         self._checks.append((recipe, differs, start, end))
@@ -448,12 +449,12 @@ class Rebuilds:
         if checks:
             self.device.synchronize()   # the comparisons ran on backward's streams
         ms, pending = 0.0, []
-        for start, end in self._timed:
+        for start, end in self._timed_runs:
             if end.query():
                 ms += start.elapsed_time(end)
             else:
                 pending.append((start, end))
-        self._timed = pending
+        self._timed_runs = pending
         if not checks:
             return ms, 0, []
         differs = torch.stack([d for _, d, _, _ in checks]).cpu().tolist()
@@ -461,23 +462,23 @@ class Rebuilds:
         for (recipe, _, start, end), bad in zip(checks, differs):
             sig = recipe.signature
             if bad:
-                self._refuse(recipe, "did not rebuild bit for bit")
+                self.refused[sig] = "did not rebuild bit for bit"
                 self.trusted.discard(sig)
                 mismatched.append(recipe.name)
             elif sig not in self.refused:
                 took = start.elapsed_time(end) / 1e3
                 copies = 2 * (_COPY_FIXED_S + recipe.nbytes / _LINK_BYTES_PER_S)
                 if took > copies:
-                    self._refuse(recipe, f"rebuilt in {took * 1e3:.3f} ms, slower than its "
+                    self.refused[sig] = (f"rebuilt in {took * 1e3:.3f} ms, slower than its "
                                          f"copies ({copies * 1e3:.3f} ms)")
                 else:
                     self.trusted.add(sig)
         return ms, len(checks), sorted(set(mismatched))
 
 
-    def _refuse(self, recipe: Recipe, why: str) -> None:
-        self.refused[recipe.signature] = why
-        self.refusals[recipe.name] = why
+    def refusals(self) -> Dict[str, str]:
+        """Why each op is not rebuilt, by op name (a signature's first item is its op)."""
+        return {sig[0].overloadpacket.__name__: why for sig, why in self.refused.items()}
 
 
 def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
