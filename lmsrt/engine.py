@@ -63,11 +63,17 @@ dropped at once, and backward runs the op again at its first use, on its stream,
 (a swapped input is brought back for it, early by the little that separates the two uses: an
 op's output is used in backward just before its input). The recipe pins its inputs' entries
 (``pinned_by``), so an input no handle holds any more still outlives it; kept inputs are held by
-their storage. Until a recipe's signature has matched bit for bit on this device, the storage is
-swapped as usual and carries the recipe as a check: its first use rebuilds it beside the copy
-and compares on the GPU (``Rebuilds.check``); the step's end reads the comparisons, and only
-then are that signature's storages rebuilt instead of moved, from the next step on. Prefetch walks
-past rebuilt storages; the plan offloads rebuildable storages first (policy.py).
+their storage. A recipe's signature is trusted once a rebuild of it has matched bit for bit on
+this device. The first check is made in forward, as the storage is saved (``_check_now``: one
+rebuild, one comparison, one device sync per signature), while the storage and its inputs are
+still on the GPU: in the first forward each recipe holds its inputs' storages until its output
+is saved (``Recipe.hold``). Trusted there, the storage is rebuilt from this step on, and no copy
+goes out for it: the first step pins and moves only what must move. Where that check cannot be
+made (no room for a second copy, an input gone), the storage is swapped as usual and carries the
+recipe as a check: its first use rebuilds it beside the copy and compares on the GPU
+(``Rebuilds.check``); the step's end reads the comparisons, and that signature's storages are
+rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan offloads
+rebuildable storages first (policy.py).
 
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
@@ -230,6 +236,10 @@ def _modified_error(kind: str, size, producer, now: int, saved: int, how: str) -
         f"lmsrt: this tensor was saved for backward at version {saved} and {how}; without LMS "
         "autograd raises this same error. Clone the tensor before modifying it in place, or "
         "modify it only after backward.")
+
+
+class _NotAtHand(Exception):
+    """A recipe input that forward no longer has on the GPU."""
 
 
 def _bytes_of(storage) -> torch.Tensor:
@@ -423,6 +433,10 @@ class SwapEngine:
             self._index = self._beyond_plan = 0
             self._sigs = {}
             self._largest = (0, 0)
+            if self.rebuilds is not None:
+                # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
+                # storages ]): their inputs are held until then.
+                self.rebuilds.holding = self.step.step == 1
             self.host.new_step()
 
     def _begin_plan(self) -> None:
@@ -459,6 +473,9 @@ class SwapEngine:
             if not self._forward_open:
                 return
             self._forward_open = False
+            if self.rebuilds is not None and self.rebuilds.holding:
+                self.rebuilds.holding = False
+                self.rebuilds.let_go()
             self._release_finished()
             self._forward_end_use = self.device.memory_allocated() - self._held_bytes
             self.step.forward_end_bytes = self._forward_end_use
@@ -661,6 +678,8 @@ class SwapEngine:
             self.step.kept_bytes += nbytes
             self.step.kept_tensors += 1
         self._by_ptr[storage.data_ptr()] = entry
+        if self.rebuilds is not None and self.rebuilds.holding:
+            self.rebuilds.let_go(storage)        # its check, if any, is done
         if self._held:
             self._bound_held(self._gpu_use(nbytes, hold) if used is None else used, hold)
         return entry
@@ -698,13 +717,45 @@ class SwapEngine:
         """Take storage ``seq`` off the GPU: by its recipe when its signature is trusted, else
         by a copy (checked against its recipe at first use, if it has one: NOTE [ Rebuilt
         storages ])."""
-        if recipe is not None and recipe.signature in self.rebuilds.trusted:
-            return self._as_recipe(t, nbytes, seq, ref, version, recipe)
+        if recipe is not None:
+            rebuilds = self.rebuilds
+            if recipe.signature not in rebuilds.trusted:
+                self._check_now(recipe, storage, nbytes)
+            if recipe.signature in rebuilds.trusted:
+                return self._as_recipe(t, nbytes, seq, ref, version, recipe)
+            if recipe.signature in rebuilds.refused:
+                recipe = None
         s = self._swap_out(t, storage, nbytes, seq, ref, version)
         if s is not None and recipe is not None:
             s.recipe, s.check = recipe, True
             self._pin_inputs(s)
         return s
+
+    def _check_now(self, recipe, storage, nbytes: int) -> None:
+        """Check ``recipe`` against the ``storage`` it made while both are at hand, if a rebuild
+        of ``nbytes`` fits beside what is allocated (within 1/16 of the limit): then no copy
+        goes out for a check in backward (NOTE [ Rebuilt storages ]). An input no longer on
+        the GPU, or anything else that fails it, leaves the check to backward."""
+        limit = self.limit
+        if self.device.memory_allocated() + 2 * nbytes > limit - (limit >> 4):
+            return
+        try:
+            self.rebuilds.check_now(recipe, storage, self._input_at_hand)
+        except Exception:       # noqa: BLE001 - only a check: backward checks it instead
+            pass
+        self._use_read, self._use_delta, self._use_age = self.device.memory_allocated(), 0, 0
+
+    @staticmethod
+    def _input_at_hand(inp) -> Optional[torch.Tensor]:
+        """A recipe input in forward, as a rebuild in backward would read it: a parameter, the
+        saved storage itself while it is on the GPU (raises ``_NotAtHand`` once it is not), or
+        None for one that its own recipe makes."""
+        if inp.entry is None:
+            return inp.tensor() if inp.parameter is not None else None
+        t = inp.tensor()
+        if t is None:
+            raise _NotAtHand
+        return t
 
     def _as_recipe(self, t: torch.Tensor, nbytes: int, seq: int, ref, version: int,
                    recipe) -> _Storage:
@@ -1011,7 +1062,7 @@ class SwapEngine:
         wrong in it, backward goes on with the copy, and the signature is not trusted."""
         s.check = False
         try:
-            self.rebuilds.check(s.recipe, _bytes_of(data.untyped_storage()), self._recipe_input)
+            self.rebuilds.check(s.recipe, data.untyped_storage(), self._recipe_input)
         except Exception:       # noqa: BLE001 - e.g. an input modified in place: not trusted
             pass
         finally:

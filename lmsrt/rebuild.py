@@ -159,7 +159,7 @@ class Recipe:
     arguments given by ``inputs`` (NOTE [ Recipes ])."""
 
     __slots__ = ("func", "nargs", "keys", "flat", "inputs", "index", "version", "dtype", "size",
-                 "stride", "offset", "nbytes", "device", "_signature", "__weakref__")
+                 "stride", "offset", "nbytes", "device", "held", "_signature", "__weakref__")
 
     def __init__(self, func, args, kwargs, op: _Op, out: torch.Tensor,
                  describe: Callable[[torch.Tensor], _Input] = lambda t: _Input(t, None)):
@@ -177,6 +177,7 @@ class Recipe:
         self.dtype, self.size, self.stride = out.dtype, tuple(out.shape), out.stride()
         self.offset = out.storage_offset()
         self.nbytes = out.untyped_storage().nbytes()
+        self.held: Optional[tuple] = None    # its inputs' storages, while a check may want them
         self._signature = None
 
     @property
@@ -218,6 +219,20 @@ class Recipe:
             if inp.recipe is None or depth == 0 or not inp.recipe.inputs_saved(saved, depth - 1):
                 return False
         return True
+
+    def hold(self) -> None:
+        """Keep the inputs' storages alive until ``let_go``: a check in forward reads them
+        where the engine has already let them go (a GELU's input, copied out before the GELU's
+        output is saved)."""
+        self.held = tuple(i.storage_ref() for i in self.inputs
+                          if i.parameter is None and not i.inplace)
+
+    def let_go(self) -> None:
+        """Stop holding the inputs, this recipe's and those of the recipes it reaches."""
+        self.held = None
+        for inp in self.inputs:
+            if inp.recipe is not None and inp.recipe.held is not None:
+                inp.recipe.let_go()
 
     def walk(self):
         """The inputs a rebuild reads: this recipe's, and for one that the engine did not save
@@ -277,10 +292,12 @@ class Recorder(TorchDispatchMode):
     by the time the op's output is saved)."""
 
     def __init__(self, recipes: Optional[dict] = None,
-                 entry_of: Callable[[torch.Tensor], object] = lambda t: None):
+                 entry_of: Callable[[torch.Tensor], object] = lambda t: None,
+                 holding: Callable[[], bool] = lambda: False):
         super().__init__()
         self._recipes: Dict[int, tuple] = {} if recipes is None else recipes
         self._entry_of = entry_of
+        self._holding = holding      # whether new recipes hold their inputs (``Recipe.hold``)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -325,6 +342,8 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _note(self, made: torch.Tensor, recipe: Recipe) -> None:
+        if self._holding():
+            recipe.hold()
         storage = made.untyped_storage()
         key = id(storage)
         self._recipes[key] = (weakref.ref(storage, _forget(self._recipes, key)), recipe)
@@ -379,8 +398,10 @@ class Rebuilds:
     recorders write, which signatures have been checked bit for bit, and the rebuilds' GPU time.
 
     A signature is trusted only after a rebuild of it matched the original bit for bit on this
-    device: until then the engine swaps the tensor as usual and, when backward brings it back,
-    rebuilds it too and compares (``check``); the comparisons are read once, at the end of the
+    device. In forward, while the original and its inputs are still on the GPU and there is room
+    for a second copy, the engine rebuilds and compares at once (``check_now``, one device sync
+    per signature). Else it swaps the tensor as usual and, when backward brings it back,
+    rebuilds it too and compares (``check``); those comparisons are read once, at the end of the
     step (``finish_step``). A mismatch, or a rebuild slower than the two copies it saves, and that
     signature is never rebuilt again in this run."""
 
@@ -392,10 +413,13 @@ class Rebuilds:
         self.refused: Dict[tuple, str] = {}      # signature -> why it is not rebuilt
         self._checks: list = []                  # (recipe, differs?, start, end), this step
         self._timed_runs: list = []              # (start, end) of rebuilds in backward
+        self._checked_now = 0                    # checks made in forward, this step
+        self._mismatched: set = set()            # ops whose check did not match, this step
+        self.holding = False                     # new recipes hold their inputs (the engine sets)
 
     def recorder(self) -> Recorder:
         """A recorder for one thread, writing this table."""
-        return Recorder(self.recipes, self.entry_of)
+        return Recorder(self.recipes, self.entry_of, lambda: self.holding)
 
     def pop_stale_recorder(self) -> None:
         """Take off this thread's mode stack a recorder of this table that autograd put back:
@@ -417,6 +441,17 @@ class Rebuilds:
             return None
         return recipe if recipe.inputs_saved(available) else None
 
+    def let_go(self, storage=None) -> None:
+        """Let the recipe of ``storage`` (every recipe, by default) stop holding its inputs."""
+        if storage is not None:
+            found = self.recipes.get(id(storage))
+            if found is not None and found[1].held is not None:
+                found[1].let_go()
+            return
+        for _, recipe in list(self.recipes.values()):
+            if recipe.held is not None:
+                recipe.let_go()
+
     def _timed(self, recipe: Recipe, resolve) -> tuple:
         """(output, start, end): ``recipe`` run between two timing events, its inputs brought
         back first (not the rebuild's time)."""
@@ -433,19 +468,48 @@ class Rebuilds:
         self._timed_runs.append((start, end))
         return out
 
-    def check(self, recipe: Recipe, original: torch.Tensor,
-              resolve: Callable[[_Input], Optional[torch.Tensor]]) -> None:
-        """Rebuild ``recipe``'s output and queue a bitwise comparison with ``original`` (the
-        storage's bytes, as uint8) on the GPU; read at the end of the step."""
+    def check(self, recipe: Recipe, original, resolve: Callable[[_Input], Optional[torch.Tensor]]
+              ) -> None:
+        """Rebuild ``recipe``'s output and queue a bitwise comparison with the ``original``
+        storage on the GPU; read at the end of the step."""
         out, start, end = self._timed(recipe, resolve)
-        storage = out.untyped_storage()
-        differs = torch.ne(_view(storage, torch.uint8, 0, (storage.nbytes(),), (1,)), original).any()
+        differs = torch.ne(_words(out.untyped_storage()), _words(original)).any()
         self._checks.append((recipe, differs, start, end))
+
+    def check_now(self, recipe: Recipe, original,
+                  resolve: Callable[[_Input], Optional[torch.Tensor]]) -> None:
+        """Rebuild ``recipe``'s output, compare it with the ``original`` storage and judge its
+        signature at once (one device sync): in forward, where the original is still on the GPU
+        and need not be copied out for a check in backward. Raises what the rebuild raises (an
+        input not at hand): then nothing is judged."""
+        out, start, end = self._timed(recipe, resolve)
+        differs = bool(torch.ne(_words(out.untyped_storage()), _words(original)).any())
+        del out
+        self._judge(recipe, differs, start.elapsed_time(end) / 1e3)
+        self._checked_now += 1
+
+    def _judge(self, recipe: Recipe, differs: bool, took: float) -> None:
+        """Trust or refuse ``recipe``'s signature by one check that took ``took`` seconds."""
+        sig = recipe.signature
+        if differs:
+            self.refused[sig] = "did not rebuild bit for bit"
+            self.trusted.discard(sig)
+            self._mismatched.add(recipe.name)
+            return
+        if sig not in self.refused:
+            copies = 2 * (_COPY_FIXED_S + recipe.nbytes / _LINK_BYTES_PER_S)
+            if took > copies:
+                self.refused[sig] = (f"rebuilt in {took * 1e3:.3f} ms, slower than its "
+                                     f"copies ({copies * 1e3:.3f} ms)")
+            else:
+                self.trusted.add(sig)
 
     def finish_step(self) -> tuple:
         """Read this step's comparisons (one device sync when there were any) and the rebuilds'
         time; return (rebuild ms, checks made, names of the ops that did not match)."""
         checks, self._checks = self._checks, []
+        made, self._checked_now = self._checked_now + len(checks), 0
+        mismatched, self._mismatched = self._mismatched, set()
         if checks:
             self.device.synchronize()   # the comparisons ran on backward's streams
         ms, pending = 0.0, []
@@ -455,30 +519,29 @@ class Rebuilds:
             else:
                 pending.append((start, end))
         self._timed_runs = pending
-        if not checks:
-            return ms, 0, []
-        differs = torch.stack([d for _, d, _, _ in checks]).cpu().tolist()
-        mismatched = []
-        for (recipe, _, start, end), bad in zip(checks, differs):
-            sig = recipe.signature
-            if bad:
-                self.refused[sig] = "did not rebuild bit for bit"
-                self.trusted.discard(sig)
-                mismatched.append(recipe.name)
-            elif sig not in self.refused:
-                took = start.elapsed_time(end) / 1e3
-                copies = 2 * (_COPY_FIXED_S + recipe.nbytes / _LINK_BYTES_PER_S)
-                if took > copies:
-                    self.refused[sig] = (f"rebuilt in {took * 1e3:.3f} ms, slower than its "
-                                         f"copies ({copies * 1e3:.3f} ms)")
-                else:
-                    self.trusted.add(sig)
-        return ms, len(checks), sorted(set(mismatched))
+        if checks:
+            differs = torch.stack([d for _, d, _, _ in checks]).cpu().tolist()
+            for (recipe, _, start, end), bad in zip(checks, differs):
+                self._judge(recipe, bad, start.elapsed_time(end) / 1e3)
+            mismatched |= self._mismatched
+            self._mismatched = set()
+        return ms, made, sorted(mismatched)
 
 
     def refusals(self) -> Dict[str, str]:
         """Why each op is not rebuilt, by op name (a signature's first item is its op)."""
         return {sig[0].overloadpacket.__name__: why for sig, why in self.refused.items()}
+
+
+def _words(storage) -> torch.Tensor:
+    """``storage``'s bytes as the widest integers that tile them: comparing two storages then
+    makes a mask of an eighth of their bytes, not of as many."""
+    n = storage.nbytes()
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if n % size == 0:
+            return _view(storage, dtype, 0, (n // size,), (1,))
+    return _view(storage, torch.uint8, 0, (n,), (1,))
 
 
 def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:

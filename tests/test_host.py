@@ -382,6 +382,32 @@ def test_a_dropped_lms_with_pinning_threads_is_collected_without_gc():
         gc.enable()
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_slab_is_touched_in_whole_pieces_on_several_threads(monkeypatch, threads):
+    """The pages of one pin are faulted in on several threads, each its own span of whole huge
+    pages, all of them zero afterwards and nothing past the end written."""
+    from lmsrt import device as device_module
+    monkeypatch.setattr(device_module, "_TOUCH_PIECE", MiB)
+    size = 10 * MiB + 4096
+    buffer = torch.full((size + 4096,), 0xA5, dtype=torch.uint8)
+    seen = set()
+    memset = device_module.ctypes.memset
+
+    def counting(address, value, n):
+        seen.add((threading.get_ident(), address - buffer.data_ptr(), n))
+        return memset(address, value, n)
+    monkeypatch.setattr(device_module.ctypes, "memset", counting)
+    device_module._touch(buffer.data_ptr(), size, threads)
+    assert int(buffer[:size].count_nonzero()) == 0
+    assert bool((buffer[size:] == 0xA5).all())
+    spans = sorted((offset, n) for _, offset, n in seen)
+    assert sum(n for _, n in spans) == size
+    assert all(offset % (2 * MiB) == 0 for offset, _ in spans)
+    assert len(spans) == 1 if threads == 1 else 1 < len(spans) <= threads
+    if threads > 1:
+        assert len({thread for thread, _, _ in seen}) > 1
+
+
 def test_both_devices_offer_what_the_device_protocol_states():
     methods = [name for name, v in vars(Device).items() if callable(v) and not name.startswith("_")]
     for cls in (CudaDevice, SimulatedDevice):

@@ -326,12 +326,7 @@ def _in_a_fresh_process(request) -> bool:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("recompute", [
-    pytest.param(False, id="swap"),
-    pytest.param(True, id="recompute", marks=pytest.mark.xfail(strict=True, reason=(
-        "open: with rebuilding, a planned step's peak passes the prediction by the 512 MiB "
-        "logits (measured on an H200, 2026-11-23: out of memory in forward of a planned step, "
-        "544 MiB eligible but kept)")))])
+@pytest.mark.parametrize("recompute", [False, True], ids=["swap", "recompute"])
 def test_lm_head_out_of_memory_at_a_fixed_mark_trains_at_auto(request, recompute):
     if _in_a_fresh_process(request):
         return
@@ -357,10 +352,6 @@ def test_lm_head_out_of_memory_at_a_fixed_mark_trains_at_auto(request, recompute
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason=(
-    "open: after the learning step cuDNN still finds allocations failing at the cap (measured "
-    "on an H200, 2026-11-23: 3 in step 2 at 7/8 of the uncapped peak; at 3/4 a planned step "
-    "ran out of memory in forward)"))
 @pytest.mark.parametrize("recompute", [False, True], ids=["swap", "recompute"])
 def test_conv_net_keeps_cudnns_algorithms_at_auto(request, recompute):
     """At a cap 7/8 of its uncapped peak, the conv net trains at auto with exact gradients and,

@@ -158,32 +158,69 @@ def _steps(lms):
 
 def _check_rebuilt(kind, build, shape, steps=3, **train):
     """Train ``build()`` with recompute on at lms_frac 0: every step's gradients equal the run
-    without LMS, step 1 checks rebuilds bit for bit beside the copies, and later steps rebuild
-    instead of moving. Returns the LMS."""
+    without LMS, step 1 checks rebuilds bit for bit (in forward, or beside the copies in
+    backward), and the last step rebuilds instead of moving. Returns the LMS."""
     model, x, ref, lms = _setup(build, shape, kind, **train)
     for _ in range(steps):
         assert_same(ref, _train(model, x, lms=lms, **train))
     lms.close()
     first, last = _steps(lms)[0], _steps(lms)[-1]
-    assert first["recipe_bytes"] == 0 and first["rebuild_checks"] > 0, first
+    assert first["rebuild_checks"] > 0, first
     assert last["recipe_bytes"] > 0 and last["rebuilt_bytes"] >= last["recipe_bytes"], last
     # What is rebuilt is what is no longer moved: lms_frac 0 offloads every eligible storage
     # (but those alive anyway, such as the input batch, which step 1 finds out).
     moved = last["out_bytes"] + last["recipe_bytes"] + last["live_bytes"]
-    assert moved == first["out_bytes"], (first, last)
+    assert moved == first["out_bytes"] + first["recipe_bytes"], (first, last)
     return lms
 
 
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_a_transformer_trains_exactly_with_rebuilt_tensors(kind, autocast):
+@pytest.mark.parametrize("check", ["forward", "backward"])
+def test_a_transformer_trains_exactly_with_rebuilt_tensors(kind, autocast, check, monkeypatch):
+    """Step 1 checks each recipe in forward, while the tensor and its inputs are still on the
+    GPU, and rebuilds from there on; where there is no room for that (here: made so), it
+    copies the tensor out and checks the rebuild beside the copy in backward."""
+    if check == "backward":
+        monkeypatch.setattr(SwapEngine, "_check_now", lambda *args: None)
     lms = _check_rebuilt(kind, lambda: torch.nn.Sequential(*[Block(64, 4) for _ in range(4)]),
                          (4, 32, 64), autocast=autocast)
-    last = _steps(lms)[-1]
+    first, last = _steps(lms)[0], _steps(lms)[-1]
+    if check == "forward":
+        assert first["recipe_bytes"] == last["recipe_bytes"], (first, last)
+    else:
+        assert first["recipe_bytes"] == 0, first
     if kind == "sim":
         # Inputs of rebuilds are brought back once, as they would be for their own use.
         assert last["in_bytes"] == last["out_bytes"], last
     assert "rebuilt, not moved" in lms.summary()
+
+
+def test_the_first_forward_holds_recipe_inputs_only_until_their_outputs_are_saved():
+    """A GELU's input is copied out and let go before the GELU's output is saved: the first
+    forward holds it for the check made then, and lets it go once that output is saved; nothing
+    is held once forward ends, and later forwards hold nothing."""
+    model, x, ref, lms = _setup(_gelu_mlp, (64, 64))
+    engine = lms._engine
+    held = []
+    check_now = engine.rebuilds.check_now
+
+    def watching(recipe, original, resolve):
+        held.append(recipe.held)
+        return check_now(recipe, original, resolve)
+    engine.rebuilds.check_now = watching
+    for step in range(2):
+        with lms:
+            out = model(x)
+            assert all(r.held is None for _, r in engine.rebuilds.recipes.values()
+                       if r.func is torch.ops.aten.gelu.default)
+        assert all(r.held is None for _, r in engine.rebuilds.recipes.values())
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+    assert len(held) == 1 and held[0] is not None and len(held[0]) == 1
+    first, second = _steps(lms)
+    assert first["rebuild_checks"] == 1 and first["recipe_bytes"] == second["recipe_bytes"] > 0
+    lms.close()
 
 
 def _conv_net():
