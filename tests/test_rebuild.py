@@ -661,3 +661,28 @@ def test_an_interrupt_anywhere_in_a_rebuild_leaves_the_lms_usable(line):
     with lms:
         assert engine.host.used_bytes == 0 and engine._ahead == 0
     lms.close()
+
+
+def test_the_recorder_loads_no_compiler_until_one_is_loaded():
+    """A dispatch mode's first op would import torch._dynamo (seconds, inside the first step):
+    the recorder runs without it while it is not loaded, and through torch's compile-disabling
+    wrapper once it is."""
+    import subprocess
+    script = (
+        "import sys, torch, lmsrt\n"
+        "from lmsrt.rebuild import Recorder\n"
+        "x = torch.randn(4, 4, requires_grad=True)\n"
+        "with Recorder() as r:\n"
+        "    y = torch.nn.functional.gelu(x)\n"
+        "assert len(r) == 1 and 'torch._dynamo' not in sys.modules\n"
+        "raw = Recorder.__dict__['__torch_dispatch__'].__wrapped__\n"
+        "before = getattr(raw, '__dynamo_disable')\n"
+        "import torch._dynamo\n"
+        "with Recorder() as r:\n"
+        "    y = torch.nn.functional.gelu(x)\n"
+        "after = getattr(raw, '__dynamo_disable')\n"
+        "assert len(r) == 1 and after is not before and after is not raw\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-3000:]
