@@ -435,7 +435,9 @@ class SwapEngine:
             self._largest = (0, 0)
             if self.rebuilds is not None:
                 # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
-                # storages ]): their inputs are held until then.
+                # storages ]): their inputs are held until then, or until forward ends.
+                if self.rebuilds.holding:
+                    self.rebuilds.let_go()
                 self.rebuilds.holding = self.step.step == 1
             self.host.new_step()
 
@@ -733,11 +735,13 @@ class SwapEngine:
 
     def _check_now(self, recipe, storage, nbytes: int) -> None:
         """Check ``recipe`` against the ``storage`` it made while both are at hand, if a rebuild
-        of ``nbytes`` fits beside what is allocated (within 1/16 of the limit): then no copy
-        goes out for a check in backward (NOTE [ Rebuilt storages ]). An input no longer on
-        the GPU, or anything else that fails it, leaves the check to backward."""
+        fits beside what is allocated (within 1/16 of the limit): then no copy goes out for a
+        check in backward (NOTE [ Rebuilt storages ]). A rebuild may need up to ~3x ``nbytes``
+        at once (an autocast cast rebuilt from a LayerNorm's fp32 output, which is rebuilt
+        first; the comparison's mask). An input no longer on the GPU, or anything else that
+        fails it, leaves the check to backward."""
         limit = self.limit
-        if self.device.memory_allocated() + 2 * nbytes > limit - (limit >> 4):
+        if self.device.memory_allocated() + 4 * nbytes > limit - (limit >> 4):
             return
         try:
             self.rebuilds.check_now(recipe, storage, self._input_at_hand)
