@@ -459,7 +459,7 @@ class SwapEngine:
         for name, value in policy.step_figures().items():
             setattr(step, name, value)
         if plan.planned:
-            self.host.reserve(plan.target)
+            self.host.reserve(plan.copied)         # rebuilt storages need no host memory
 
     def _sweep_orphans(self) -> None:
         """Release storages that no handle holds: a pack interrupted before it handed its handle

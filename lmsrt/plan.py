@@ -51,6 +51,15 @@ class OffloadPlan:
         """Whether the step so far (or just finished) repeated the recorded sequence."""
         return self.planned and self.matched and len(self.current) == len(self.recorded)
 
+    @property
+    def copied(self) -> int:
+        """The target's bytes that are copied out rather than rebuilt: what the host must hold."""
+        if not self.rebuildable:
+            return self.target
+        flags = self.chosen or [i < self.cutoff for i in range(len(self.recorded))]
+        return sum(n for i, (n, out) in enumerate(zip(self.recorded, flags))
+                   if out and i not in self.rebuildable)
+
     def offload(self, index: int, nbytes: int) -> bool:
         """Record storage ``index`` of this step; True if the plan offloads it."""
         self.current.append(nbytes)
