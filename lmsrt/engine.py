@@ -75,6 +75,18 @@ recipe as a check: its first use rebuilds it beside the copy and compares on the
 rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan offloads
 rebuildable storages first (policy.py).
 
+NOTE [ Deferred copies ]
+A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait
+for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the
+pinning, on the training thread (measured on an H200: 0.5-1.2 s). While GPU use is under a
+quarter of the limit it waits for nothing: the storage is swapped later (``_defer``), its source
+held by lmsrt (counted in ``_held_bytes``, so a recorded profile takes it for lmsrt's) and its
+copy started in save order once pins land (checked at each save). Once use passes the quarter,
+the remaining deferred copies start first, waiting for their pins, so the step holds no more
+than it would have. A deferred storage that still has no pin when forward ends stays on the GPU
+for backward (counted as kept): at that use there is room, and waiting then would stall the step
+for copies that free nothing in time. Unpack reads a held source as it reads any other.
+
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
 sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its
@@ -352,6 +364,8 @@ class SwapEngine:
         self._lock = threading.RLock()
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
+        self._deferred: collections.deque = collections.deque()   # waiting for a pin to copy out
+        self._deferred_kept = 0
         self._held_bytes = 0
         self._by_ptr: dict = {}        # storage address -> _Storage/_Kept, for this forward
         self._order: List[_Storage] = []   # swapped storages in save order, for prefetch
@@ -421,6 +435,7 @@ class SwapEngine:
                 self._finish_step()
             self._base = None
             self._step_peak = 0
+            self._deferred_kept = 0       # deferred swaps that forward ended without
             self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
             self._retries_before = self.device.alloc_retries()
             self._failures_before = self.device.alloc_failures()
@@ -478,6 +493,16 @@ class SwapEngine:
             if self.rebuilds is not None and self.rebuilds.holding:
                 self.rebuilds.holding = False
                 self.rebuilds.let_go()
+            if self._deferred:
+                # What has no pin yet stays on the GPU for backward (use is under a quarter of
+                # the limit): waiting now would stall the step for copies that save nothing.
+                self._copy_deferred(wait=False)
+                for s in self._deferred:
+                    if not s.dead and s.source is not None:
+                        self.step.kept_bytes += s.nbytes
+                        self.step.kept_tensors += 1
+                        self._deferred_kept += s.nbytes
+                self._deferred.clear()
             self._release_finished()
             self._forward_end_use = self.device.memory_allocated() - self._held_bytes
             self.step.forward_end_bytes = self._forward_end_use
@@ -510,7 +535,7 @@ class SwapEngine:
         followed = self.plan.finish_step(rebuildable)
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self._forward_end_use,
-                                swapped=s.out_bytes + s.recipe_bytes,
+                                swapped=s.out_bytes + s.recipe_bytes + self._deferred_kept,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures)
         s.policy_note = self.policy.note()
@@ -651,6 +676,8 @@ class SwapEngine:
         ref = weakref.ref(storage) if rec is None else weakref.ref(storage, rec.on_free(index))
         self._use_delta += nbytes
         self._release_finished()
+        if self._deferred:
+            self._settle_deferred()
         planned = self.plan.offload(index, nbytes)
         if self.plan.lives_on(index):
             # Last step's copy of this storage freed nothing: something else kept it alive
@@ -834,14 +861,24 @@ class SwapEngine:
         # A swap waits for a pin under way where keeping the tensor would undo what the policy
         # counts on: a planned step; a step that must hold the least (the first, in which cuDNN
         # picks its algorithms for the run by the memory free then: policy.may_lag); or use
-        # within 1/8 of the limit. Elsewhere (a later reactive step with room) the tensor stays
-        # on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
+        # within 1/8 of the limit. Under a quarter of the limit it is deferred instead (NOTE
+        # [ Deferred copies ]). Elsewhere (a later reactive step with room) the tensor stays on
+        # the GPU while its pin runs (host.py, NOTE [ Pinning ]).
         limit, use = self.limit, self._use_read + self._use_delta      # no new reading
         wait = (self.plan.mode == "plan" or not self.policy.may_lag
                 or use > limit - (limit >> 3))
-        slot = self.host.alloc(nbytes, wait=wait)
-        if slot is None:
-            return None
+        if wait and self._forward_open and key == self._compute_key and use <= limit >> 2:
+            refused = self.host.refused
+            slot = self.host.alloc(nbytes, wait=False)
+            if slot is None:
+                return None if self.host.refused != refused else self._defer(
+                    t, nbytes, seq, ref, version, stream, key)
+        else:
+            if wait and self._deferred:
+                self._copy_deferred(wait=True)             # copies go out in save order
+            slot = self.host.alloc(nbytes, wait=wait)
+            if slot is None:
+                return None
         order = self._order
         try:
             s = _Storage(nbytes, seq, ref, version, stream, key)
@@ -864,6 +901,58 @@ class SwapEngine:
         self.step.out_bytes += nbytes
         self.step.out_tensors += 1
         return s
+
+    def _defer(self, t: torch.Tensor, nbytes: int, seq: int, ref, version: int, stream,
+               key) -> _Storage:
+        """Swap ``t``'s storage out once its pin lands: until then its source stays on the GPU,
+        held by lmsrt (NOTE [ Deferred copies ])."""
+        s = _Storage(nbytes, seq, ref, version, stream, key)
+        s.index = len(self._order)
+        self._order.append(s)          # from here the step boundary releases it if orphaned
+        s.source = t.detach()          # shares t's version counter
+        self._held_bytes += nbytes
+        self._deferred.append(s)
+        self.step.deferred_tensors += 1
+        return s
+
+    def _settle_deferred(self) -> None:
+        """Copy out deferred storages whose pins have landed; all of them, waiting for their
+        pins, once GPU use passes a quarter of the limit."""
+        if self._use_read + self._use_delta > self.limit >> 2:
+            self._copy_deferred(wait=True)
+        elif self.host.pins_landed:
+            self._copy_deferred(wait=False)
+
+    def _copy_deferred(self, wait: bool) -> None:
+        """Start the copies of deferred storages, in save order, as far as pinned memory goes
+        (``wait``: all of them, waiting for the pins under way). One that the host budget
+        refuses stays on the GPU, held until it dies."""
+        deferred, host = self._deferred, self.host
+        while deferred:
+            s = deferred[0]
+            if s.dead or s.source is None:
+                deferred.popleft()
+                continue
+            slot = host.settle(s.nbytes) if wait else host.landed(s.nbytes)
+            if slot is None:
+                if not wait:
+                    return
+                deferred.popleft()
+                continue
+            try:
+                s.copy_done = self._copy_out(s.source.untyped_storage(), slot, s.stream)
+            except BaseException as e:                     # Rule 7: keep it on the GPU
+                host.free(slot)
+                deferred.popleft()
+                if not isinstance(e, Exception):
+                    raise
+                self.diagnostics.copy_out_failed(s.nbytes, e)
+                continue
+            s.host = slot
+            deferred.popleft()
+            self._held.append(s)
+            self.step.out_bytes += s.nbytes
+            self.step.out_tensors += 1
 
     def _copy_out(self, storage, slot: HostSlot, stream):
         """Start the D2H copy of ``storage`` into ``slot`` after ``stream``'s work so far;
@@ -1218,7 +1307,8 @@ class SwapEngine:
                 self._order_after(s, s.fetch_done)         # Rule 4
             self._drop_restored(s)
         if s.source is not None:
-            self._order_after(s, s.copy_done)              # Rule 2
+            if s.copy_done is not None:                    # (none: a deferred copy never went)
+                self._order_after(s, s.copy_done)          # Rule 2
             self._drop_source(s)
         slot = s.host
         if slot is not None:
@@ -1243,6 +1333,7 @@ class SwapEngine:
                     s.source = s.gpu = s.host = None
                     s.inputs = ()
                 self._held.clear()
+                self._deferred.clear()
                 self._held_bytes = self._ahead = 0
                 self._order.clear()
                 self._by_ptr.clear()

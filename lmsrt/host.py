@@ -368,6 +368,33 @@ class HostPool:
         slot = self._fit(nbytes)
         return slot if slot is not None else self._alloc_short(nbytes, wait)
 
+    def landed(self, nbytes: int) -> Optional[HostSlot]:
+        """Room for ``nbytes`` in what is pinned now (finished pins adopted), or None; claims
+        and starts nothing: for a request already answered None while its pin ran."""
+        if self._pinner.done:
+            self._adopt()
+        return self._fit(nbytes)
+
+    def settle(self, nbytes: int) -> Optional[HostSlot]:
+        """For a request answered None while its pin ran: room once the pins under way have
+        landed (waiting for each, oldest first), else as ``alloc(nbytes, wait=True)``."""
+        slot = self.landed(nbytes)
+        if slot is not None or self.closed:
+            return slot
+        started = time.perf_counter()
+        try:
+            while slot is None and self._pending and not self._pinner.stopped:
+                self._pinner.wait(self._pending[0])
+                slot = self.landed(nbytes)
+        finally:
+            self.pin_wait_seconds += time.perf_counter() - started
+        return slot if slot is not None else self.alloc(nbytes, wait=True)
+
+    @property
+    def pins_landed(self) -> bool:
+        """Whether pins have finished that are not yet in the pool."""
+        return bool(self._pinner.done)
+
     def _fit(self, nbytes: int) -> Optional[HostSlot]:
         for slab in self.slabs:
             offset = slab.allocator.alloc(nbytes)

@@ -49,6 +49,8 @@ class StepStats:
     host_pin_s: float = 0.0        # seconds spent pinning host memory (all pinning threads)
     host_pin_wait_s: float = 0.0   # of which the training thread waited for a pin to finish
     host_lagged: int = 0           # swap-outs kept on the GPU while the pins they needed ran
+    deferred_tensors: int = 0      # of which forward went on, their copies started once the pins
+                                   # landed (those still without one at forward's end: kept)
     host_given_back_bytes: int = 0  # pinned bytes unregistered and freed (use had shrunk)
     host_pins_in_flight: int = 0   # pins under way at the end of the step
     bound_bytes: int = 0           # the level lmsrt kept use under: lms_frac x the limit, or under
@@ -66,6 +68,7 @@ _SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_te
            "rebuilt_tensors", "rebuild_ms", "rebuild_checks", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "prefetch_dropped", "swapin_wait_ms", "swapout_waits",
            "host_refused", "alloc_retries", "alloc_failures", "host_pin_s", "host_pin_wait_s", "host_lagged",
+           "deferred_tensors",
            "host_given_back_bytes")
 
 
