@@ -83,9 +83,11 @@ quarter of the limit it waits for nothing: the storage is swapped later (``_defe
 held by lmsrt (counted in ``_held_bytes``, so a recorded profile takes it for lmsrt's) and its
 copy started in save order once pins land (checked at each save). Once use passes the quarter,
 the remaining deferred copies start first, waiting for their pins, so the step holds no more
-than it would have. A deferred storage that still has no pin when forward ends stays on the GPU
-for backward (counted as kept): at that use there is room, and waiting then would stall the step
-for copies that free nothing in time. Unpack reads a held source as it reads any other.
+than it would have. When forward ends, those still without a pin start too, waiting, unless use
+is under 1/16 of the limit: then they stay on the GPU for backward (counted as kept), where
+there is room (a backward needing 15x its forward's end use is not a real model), and waiting
+would stall the step for copies that free nothing in time. Unpack reads a held source as it
+reads any other.
 
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
 forward makes activations several times faster, so sources still being copied pile up. When held
@@ -494,15 +496,7 @@ class SwapEngine:
                 self.rebuilds.holding = False
                 self.rebuilds.let_go()
             if self._deferred:
-                # What has no pin yet stays on the GPU for backward (use is under a quarter of
-                # the limit): waiting now would stall the step for copies that save nothing.
-                self._copy_deferred(wait=False)
-                for s in self._deferred:
-                    if not s.dead and s.source is not None:
-                        self.step.kept_bytes += s.nbytes
-                        self.step.kept_tensors += 1
-                        self._deferred_kept += s.nbytes
-                self._deferred.clear()
+                self._end_deferred()
             self._release_finished()
             self._forward_end_use = self.device.memory_allocated() - self._held_bytes
             self.step.forward_end_bytes = self._forward_end_use
@@ -922,6 +916,21 @@ class SwapEngine:
             self._copy_deferred(wait=True)
         elif self.host.pins_landed:
             self._copy_deferred(wait=False)
+
+    def _end_deferred(self) -> None:
+        """Forward is over: deferred storages still without a pin stay on the GPU for backward
+        while use is under 1/16 of the limit (waiting would stall the step for copies that free
+        nothing in time); over it, their copies start, waiting for the pins (backward's own
+        use is not known, least of all in the learning step)."""
+        try:
+            self._copy_deferred(wait=self.device.memory_allocated() > self.limit >> 4)
+            for s in self._deferred:
+                if not s.dead and s.source is not None:
+                    self.step.kept_bytes += s.nbytes
+                    self.step.kept_tensors += 1
+                    self._deferred_kept += s.nbytes
+        finally:
+            self._deferred.clear()
 
     def _copy_deferred(self, wait: bool) -> None:
         """Start the copies of deferred storages, in save order, as far as pinned memory goes

@@ -21,12 +21,27 @@ def torch_device(kind: str) -> torch.device:
 
 
 def make_lms(kind: str, capacity: int = 1 << 30, copy_lag: int = 0, pin_limit=None,
-             **kw) -> lmsrt.LMS:
+             pins_ready: bool = True, **kw) -> lmsrt.LMS:
     device = (SimulatedDevice(capacity=capacity, copy_lag=copy_lag, pin_limit=pin_limit)
               if kind == "sim" else "cuda")
     kw.setdefault("lms", 1)
     kw.setdefault("lms_frac", 0.0)
-    return lmsrt.LMS(device=device, **kw)
+    lms = lmsrt.LMS(device=device, **kw)
+    if pins_ready and kind == "cuda":
+        pins_at_hand(lms)
+    return lms
+
+
+def pins_at_hand(lms: lmsrt.LMS, nbytes: int = 256 << 20) -> None:
+    """Pin ``nbytes`` of host memory now, as a run has after its first steps. On a real GPU the
+    tests' small models use so little of it that a first step defers its swaps while pins run
+    (engine.py, NOTE [ Deferred copies ]) and may move nothing; tests of what swapping does
+    need their copies made."""
+    pool = lms._engine.host
+    pool.reserve(nbytes)
+    slot = pool.settle(nbytes)           # waits for the pins just started
+    if slot is not None:
+        pool.free(slot)
 
 
 def rebuild_small_tensors(kind: str, monkeypatch=None) -> None:

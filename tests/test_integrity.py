@@ -25,8 +25,8 @@ from torch import nn
 import lmsrt
 from lmsrt.policy import FixedPolicy
 from lmsrt import engine as engine_module
-from models import (DEVICES, assert_same, make_lms, mlp, run_threads, torch_device, train_step,
-                    transformer)
+from models import (DEVICES, assert_same, make_lms, mlp, pins_at_hand, run_threads, torch_device,
+                    train_step, transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 INPLACE = "modified by an inplace operation"
@@ -91,6 +91,7 @@ def test_inplace_change_while_the_copy_is_in_flight_raises_cuda():
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     for lms_frac in (0.0, 0.5, 0.9):
         lms = lmsrt.LMS(lms=1, lms_frac=lms_frac, device="cuda")
+        pins_at_hand(lms)                   # the copy goes out in step 1, not deferred
         for _ in range(3):
             with lms:
                 z = (x * 2).exp()
