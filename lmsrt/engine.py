@@ -78,8 +78,9 @@ rebuildable storages first (policy.py).
 NOTE [ Deferred copies ]
 A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait
 for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the
-pinning, on the training thread (measured on an H200: 0.5-1.2 s). While GPU use is under a
-quarter of the limit it waits for nothing: the storage is swapped later (``_defer``), its source
+pinning, on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step (whose
+plan counts on each source's drop at its point), while GPU use is under a quarter of the limit,
+it waits for nothing: the storage is swapped later (``_defer``), its source
 held by lmsrt (counted in ``_held_bytes``, so a recorded profile takes it for lmsrt's) and its
 copy started in save order once pins land (checked at each save). Once use passes the quarter,
 the remaining deferred copies start first, waiting for their pins, so the step holds no more
@@ -855,13 +856,15 @@ class SwapEngine:
         # A swap waits for a pin under way where keeping the tensor would undo what the policy
         # counts on: a planned step; a step that must hold the least (the first, in which cuDNN
         # picks its algorithms for the run by the memory free then: policy.may_lag); or use
-        # within 1/8 of the limit. Under a quarter of the limit it is deferred instead (NOTE
-        # [ Deferred copies ]). Elsewhere (a later reactive step with room) the tensor stays on
+        # within 1/8 of the limit. Under a quarter of the limit, outside a planned step (whose
+        # pins were started at its beginning, and whose plan counts on each source's drop), it
+        # is deferred instead (NOTE [ Deferred copies ]). Elsewhere (a later reactive step with room) the tensor stays on
         # the GPU while its pin runs (host.py, NOTE [ Pinning ]).
         limit, use = self.limit, self._use_read + self._use_delta      # no new reading
-        wait = (self.plan.mode == "plan" or not self.policy.may_lag
-                or use > limit - (limit >> 3))
-        if wait and self._forward_open and key == self._compute_key and use <= limit >> 2:
+        planned = self.plan.mode == "plan"
+        wait = planned or not self.policy.may_lag or use > limit - (limit >> 3)
+        if (wait and not planned and self._forward_open and key == self._compute_key
+                and use <= limit >> 2):
             refused = self.host.refused
             slot = self.host.alloc(nbytes, wait=False)
             if slot is None:

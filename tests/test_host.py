@@ -3,6 +3,7 @@
 can be held (``pin_gate``) or slowed (``pin_delay``); under the `cuda` marker the same ideas run
 against the real driver: registered memory, pinning that overlaps the first step, exact gradients
 while pins lag."""
+import collections
 import gc
 import importlib.util
 import pathlib
@@ -532,8 +533,6 @@ def test_deferred_swaps_without_a_pin_by_forwards_end_stay_on_the_gpu_exactly():
     pool = lms._engine.host
     device.pin_gate.clear()
     try:
-        with lms:
-            model(x).sum()                       # a forward whose graph is dropped
         assert_same(ref, train_step(model, x, lms=lms))
         first = lms.stats()["last_step"]
         assert first["out_bytes"] == 0 and first["host_pin_wait_s"] == 0, first
@@ -542,6 +541,17 @@ def test_deferred_swaps_without_a_pin_by_forwards_end_stay_on_the_gpu_exactly():
         with engine._lock:
             engine._reap()                       # the handles that died in backward
         assert engine._held_bytes == 0 and all(s.dead for s in engine._order)
+        dropped, _ = _lagging_lms()
+        dropped._engine.host.device.pin_gate.clear()
+        with dropped:
+            model(x).sum()                       # a first forward whose graph is dropped
+        engine = dropped._engine
+        assert engine._held_bytes > 0 and engine._deferred == collections.deque()
+        with engine._lock:
+            engine._reap()
+        assert engine._held_bytes == 0 and all(s.dead for s in engine._order)
+        dropped._engine.host.device.pin_gate.set()
+        dropped.close()
     finally:
         device.pin_gate.set()
     _until(lambda: pool.pins_in_flight == 0)

@@ -135,7 +135,7 @@ def test_host_budget_is_shared_among_local_ranks(monkeypatch):
 
 def _check_pin_failure(kind, monkeypatch):
     model, x, ref = _setup(kind)
-    lms = make_lms(kind, pin_limit=0)               # the simulated host cannot pin a byte
+    lms = make_lms(kind, pin_limit=0, pins_ready=False)   # the simulated host cannot pin a byte
     device = lms._engine.host.device
     pinned, attempts = device.pinned, []
 
@@ -163,7 +163,7 @@ def test_pin_failure_keeps_tensors_on_gpu_with_one_warning(kind, monkeypatch):
 def _check_tiny_budget(kind):
     model, x, ref = _setup(kind)
     budget = 24 << 10                               # three 8 KiB activations of a dozen
-    lms = make_lms(kind, host_budget_gb=budget / GiB)
+    lms = make_lms(kind, host_budget_gb=budget / GiB, pins_ready=False)
     with lmsrt_warnings() as said:
         for _ in range(5):
             assert_same(ref, train_step(model, x, lms=lms))
