@@ -80,9 +80,10 @@ A swap that must not leave its tensor on the GPU (a planned step, the learning s
 for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the
 pinning, on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step (whose
 plan counts on each source's drop at its point), while GPU use is under a quarter of the limit,
-it waits for nothing: the storage is swapped later (``_defer``), its source
-held by lmsrt (counted in ``_held_bytes``, so a recorded profile takes it for lmsrt's) and its
-copy started in save order once pins land (checked at each save). Once use passes the quarter,
+it waits for nothing: the storage is swapped later (``_defer``), its source held by lmsrt
+(counted in ``_held_bytes``; a recorded profile counts it as the model's own, as the model may
+well still use it meanwhile: ``_hold``) and its copy started in save order once pins land
+(checked at each save). Once use passes the quarter,
 the remaining deferred copies start first, waiting for their pins, so the step holds no more
 than it would have. When forward ends, those still without a pin start too, waiting, unless use
 is under 1/16 of the limit: then they stay on the GPU for backward (counted as kept), where
@@ -471,7 +472,7 @@ class SwapEngine:
         self._rec = policy.recording
         if self._rec is not None:
             self.device.reset_peak()
-            self._rec_hold = self._held_bytes + self._ahead
+            self._rec_hold = self._hold()
         step.plan_target_bytes = plan.target if plan.planned else 0
         step.bound_bytes = self.mark
         for name, value in policy.step_figures().items():
@@ -718,10 +719,20 @@ class SwapEngine:
             self._step_peak = peak
         base = self._base
         self._rec.record(backward, used - base, peak - base, self._rec_hold,
-                         self._held_bytes + self._ahead, nbytes)
+                         self._hold(), nbytes)
+
+    def _hold(self) -> int:
+        """What a recorded profile counts as lmsrt's: held sources and restored copies, less
+        deferred sources (NOTE [ Deferred copies ]): held for long, and the model may still be
+        using them itself (a residual stream), so they count as the model's own, on the safe
+        side."""
+        hold = self._held_bytes + self._ahead
+        if self._deferred:
+            hold -= sum(s.nbytes for s in self._deferred if s.source is not None)
+        return hold
 
     def _recorded(self) -> None:
-        self._rec_hold = self._held_bytes + self._ahead
+        self._rec_hold = self._hold()
         self.device.reset_peak()
 
     def _gpu_use(self, nbytes: int, level: int) -> int:
