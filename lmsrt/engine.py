@@ -129,6 +129,7 @@ __all__ = ["SwapEngine"]
 # exactly in ~0.3 us and never estimates.
 _EXACT_EVERY = 8
 _EXACT_BYTES = 64 << 20
+_DEFER_SHIFT = 2             # swaps are deferred while GPU use is under limit >> this
 
 # Saved tensors of a torch.compile'd region reach pack from AOTAutograd's autograd.Function, all
 # at once after the region's forward; Function.apply is then the Python frame that called pack.
@@ -875,7 +876,7 @@ class SwapEngine:
         planned = self.plan.mode == "plan"
         wait = planned or not self.policy.may_lag or use > limit - (limit >> 3)
         if (wait and not planned and self._forward_open and key == self._compute_key
-                and use <= limit >> 2):
+                and use <= limit >> _DEFER_SHIFT):
             refused = self.host.refused
             slot = self.host.alloc(nbytes, wait=False)
             if slot is None:
@@ -926,7 +927,7 @@ class SwapEngine:
     def _settle_deferred(self) -> None:
         """Copy out deferred storages whose pins have landed; all of them, waiting for their
         pins, once GPU use passes a quarter of the limit."""
-        if self._use_read + self._use_delta > self.limit >> 2:
+        if self._use_read + self._use_delta > self.limit >> _DEFER_SHIFT:
             self._copy_deferred(wait=True)
         elif self.host.pins_landed:
             self._copy_deferred(wait=False)
