@@ -76,19 +76,18 @@ rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan of
 rebuildable storages first (policy.py).
 
 NOTE [ Deferred copies ]
-A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait
-for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the
-pinning, on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step (whose
-plan counts on each source's drop at its point), while GPU use is under a quarter of the limit,
-it waits for nothing: the storage is swapped later (``_defer``), its source held by lmsrt
-(counted in ``_held_bytes``; a recorded profile counts it as the model's own, as the model may
-well still use it meanwhile: ``_hold``) and its copy started in save order once pins land
-(checked at each save). Once use passes the quarter,
-the remaining deferred copies start first, waiting for their pins, so the step holds no more
-than it would have. When forward ends, those still without a pin start too, waiting, unless use
-is under 1/16 of the limit: then they stay on the GPU for backward (counted as kept), where
-there is room (a backward needing 15x its forward's end use is not a real model), and waiting
-would stall the step for copies that free nothing in time. Unpack reads a held source as it
+A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait for
+the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the pinning,
+on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step (whose plan counts
+on each source's drop at its point), while GPU use is under a quarter of the limit, it waits for
+nothing: the storage is swapped later (``_defer``), its source held by lmsrt (counted in
+``_held_bytes``; a recorded profile counts it as the model's own, as the model may well still use
+it meanwhile: ``_hold``) and its copy started in save order once pins land (checked at each save).
+Once use passes the quarter, the remaining deferred copies start first, waiting for their pins, so
+the step holds no more than it would have. When forward ends, those still without a pin start too,
+waiting, unless use is under 1/16 of the limit: then they stay on the GPU for backward (counted as
+kept), where there is room (a backward needing 15x its forward's end use is not a real model), and
+waiting would stall the step for copies that free nothing in time. Unpack reads a held source as it
 reads any other.
 
 Bounding what forward holds (DESIGN.md, "Freeing memory in forward"): copies run at ~55 GB/s and
@@ -870,8 +869,8 @@ class SwapEngine:
         # picks its algorithms for the run by the memory free then: policy.may_lag); or use
         # within 1/8 of the limit. Under a quarter of the limit, outside a planned step (whose
         # pins were started at its beginning, and whose plan counts on each source's drop), it
-        # is deferred instead (NOTE [ Deferred copies ]). Elsewhere (a later reactive step with room) the tensor stays on
-        # the GPU while its pin runs (host.py, NOTE [ Pinning ]).
+        # is deferred instead (NOTE [ Deferred copies ]). Elsewhere (a later reactive step with
+        # room) the tensor stays on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
         limit, use = self.limit, self._use_read + self._use_delta      # no new reading
         planned = self.plan.mode == "plan"
         wait = planned or not self.policy.may_lag or use > limit - (limit >> 3)
@@ -964,7 +963,7 @@ class SwapEngine:
                 deferred.popleft()
                 continue
             try:
-                s.copy_done = self._copy_out(s.source.untyped_storage(), slot, s.stream)
+                done = self._copy_out(s.source.untyped_storage(), slot, s.stream)   # Rule 1
             except BaseException as e:                     # Rule 7: keep it on the GPU
                 host.free(slot)
                 deferred.popleft()
@@ -972,7 +971,7 @@ class SwapEngine:
                     raise
                 self.diagnostics.copy_out_failed(s.nbytes, e)
                 continue
-            s.host = slot
+            s.copy_done, s.host = done, slot
             deferred.popleft()
             self._held.append(s)
             self.step.out_bytes += s.nbytes
