@@ -174,6 +174,15 @@ def _lagging_lms(pin_delay=0.0):
     return lms, device
 
 
+def _exact_and_moving_once_pins_land(lms, model, x, ref, steps):
+    """Once the pool's pins have landed, ``steps`` steps train exactly and the last moves bytes."""
+    pool = lms._engine.host
+    _until(lambda: pool.pins_in_flight == 0)
+    for _ in range(steps):
+        assert_same(ref, train_step(model, x, lms=lms))
+    assert lms.stats()["last_step"]["out_bytes"] > 0
+
+
 def test_nothing_is_lost_while_pinning_lags():
     """Step 1 holds the least: a swap whose pin is under way is deferred, never left on the GPU
     for good unless forward ends first (NOTE [ Deferred copies ]). A later step of a new shape
@@ -197,10 +206,7 @@ def test_nothing_is_lost_while_pinning_lags():
         assert step["kept_bytes"] > 0
     finally:
         device.pin_gate.set()
-    _until(lambda: pool.pins_in_flight == 0)
-    for _ in range(4):
-        assert_same(ref_wide, train_step(model, wide, lms=lms))
-    assert lms.stats()["last_step"]["out_bytes"] > 0
+    _exact_and_moving_once_pins_land(lms, model, wide, ref_wide, steps=4)
     assert lms.stats()["last_step"]["host_lagged"] == 0
     lms.close()
     assert not any(t.is_alive() for t in pool._pinner.threads)
@@ -516,9 +522,7 @@ def test_a_first_step_goes_on_while_its_pins_run_and_copies_once_they_land():
     first = lms.stats()["last_step"]
     assert first["deferred_tensors"] > 0 and first["host_pin_wait_s"] == 0, first
     assert first["out_bytes"] == everything and first["kept_bytes"] == 0, (first, everything)
-    for _ in range(3):
-        assert_same(ref, train_step(model, x, lms=lms))
-    assert lms.stats()["last_step"]["out_bytes"] > 0
+    _exact_and_moving_once_pins_land(lms, model, x, ref, steps=3)
     lms.close()
 
 
@@ -530,7 +534,6 @@ def test_deferred_swaps_without_a_pin_by_forwards_end_stay_on_the_gpu_exactly():
     model, x = transformer(d=32, layers=3, heads=2), torch.randn(2, 16, 32)
     ref = train_step(model, x)
     lms, device = _lagging_lms()
-    pool = lms._engine.host
     device.pin_gate.clear()
     try:
         assert_same(ref, train_step(model, x, lms=lms))
@@ -554,10 +557,7 @@ def test_deferred_swaps_without_a_pin_by_forwards_end_stay_on_the_gpu_exactly():
         dropped.close()
     finally:
         device.pin_gate.set()
-    _until(lambda: pool.pins_in_flight == 0)
-    for _ in range(3):
-        assert_same(ref, train_step(model, x, lms=lms))
-    assert lms.stats()["last_step"]["out_bytes"] > 0
+    _exact_and_moving_once_pins_land(lms, model, x, ref, steps=3)
     lms.close()
 
 
