@@ -28,6 +28,8 @@ import sysconfig
 import time
 from typing import Iterator, Optional, Tuple
 
+from .cache import cache_root
+
 __all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir"]
 
 _ENV_OFF = "LMSRT_COPY_PATH"
@@ -70,8 +72,7 @@ def _module_name() -> str:
 
 
 def build_dir() -> str:
-    root = os.environ.get("LMSRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lmsrt")
-    return os.path.join(root, _module_name())
+    return os.path.join(cache_root(), _module_name())
 
 
 def _built_file() -> str:

@@ -107,6 +107,7 @@ import torch
 
 from .config import LMSConfig
 from .diagnostics import Diagnostics
+from .cache import PinMemo
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
 from .policy import make_policy
@@ -357,6 +358,14 @@ class SwapEngine:
         self.run_stats = RunStats()
         self.step = StepStats()
         self.limit = device.memory_limit()
+        # What the last run of this command used starts pinning now (cache.py, NOTE [ Pinning
+        # ahead ]).
+        self.memo = (PinMemo({k: v for k, v in config.as_dict().items() if k != "device"},
+                             f"{getattr(device, 'name', type(device).__name__)}"
+                             f":{getattr(device, 'index', 0)}", self.limit)
+                     if config.pin_ahead else None)
+        if self.memo is not None and self.memo.recalled:
+            self.host.pin_slabs(self.memo.recalled)
         self.policy = make_policy(config.lms_frac, self.limit, self.window)
         # NOTE [ Rebuilt storages ]; its recorders are entered with the hooks (lms.py).
         # Asked through a weak method: the table must not keep the engine alive (a dropped LMS
@@ -517,6 +526,8 @@ class SwapEngine:
         s.host_lagged = self.host.lagged
         s.host_given_back_bytes = self.host.given_back_bytes
         s.host_pins_in_flight = self.host.pins_in_flight
+        if self.memo is not None:
+            self.memo.saw(self.host.used_slabs())
         self.host.refused = 0
         self.host.peak_used = self.host.used_bytes
         self._collect_waits(s)
@@ -1360,6 +1371,9 @@ class SwapEngine:
                 self._held_bytes = self._ahead = 0
                 self._order.clear()
                 self._by_ptr.clear()
+                if self.memo is not None:             # the step in flight counts too
+                    self.memo.saw(self.host.used_slabs())
+                    self.memo.close()
                 self.host.close()
 
     # -- hooks left behind -------------------------------------------------------------------

@@ -157,12 +157,12 @@ def host_budget(already_pinned: int = 0, fraction: float = 0.8) -> int:
 
 class _Slab:
     """A pinned slab (``tensor``) and its allocator; ``last_used`` is the pool's step number when
-    a request last took room in it."""
+    a request last took room in it, ``used`` whether one ever did."""
 
-    __slots__ = ("tensor", "allocator", "size", "last_used", "__weakref__")
+    __slots__ = ("tensor", "allocator", "size", "last_used", "used", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, size: int, step: int):
-        self.tensor, self.size, self.last_used = tensor, size, step
+        self.tensor, self.size, self.last_used, self.used = tensor, size, step, False
         self.allocator = OffsetAllocator(size, _ALIGN)
 
 
@@ -401,7 +401,7 @@ class HostPool:
             if offset >= 0:
                 self.used_bytes += slab.allocator.size_of(offset)
                 self.peak_used = max(self.peak_used, self.used_bytes)
-                slab.last_used = self._step
+                slab.last_used, slab.used = self._step, True
                 return HostSlot(slab, offset, nbytes)
         return None
 
@@ -481,6 +481,20 @@ class HostPool:
                 self.given_back_bytes += slab.size
                 self._pinner.give_back(slab.tensor)
                 slab.tensor = None
+
+    def used_slabs(self) -> List[int]:
+        """The sizes of the slabs that requests have used, oldest first (a layout for
+        ``pin_slabs``)."""
+        return [slab.size for slab in self.slabs if slab.used]
+
+    def pin_slabs(self, sizes: List[int]) -> None:
+        """Start pinning slabs of these sizes (within the budget), in the background, e.g. the
+        layout a run of the same command used (cache.py, NOTE [ Pinning ahead ]); returns at
+        once. Kept from give-back like a ``reserve`` of their bytes."""
+        for size in sizes:
+            if self._grow(size, size) is None:
+                break
+        self._reserved = sum(sizes)
 
     def reserve(self, nbytes: int) -> None:
         """Pin ahead of need (e.g. what the plan will move), in the background: start the pins

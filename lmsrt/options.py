@@ -144,6 +144,14 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            what="on or off", example="on", metavar="on|off",
            help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) instead of moving them.",
            give="on or off", check=_check_switch("recompute")),
+    Option("pin_ahead", True, bool, "LMSRT_PIN_AHEAD", "--pin-ahead",
+           doc="as the LMS is created, start pinning (in the background) the host memory that "
+               "the last run of the same command, GPU, cap and settings used, remembered under "
+               "``$LMSRT_CACHE/pins``, so the first step does not wait for pinning (on by "
+               "default; off neither reads nor writes the record).",
+           what="on or off", example="on", metavar="on|off",
+           help="Pin at start what the last run of this command used.",
+           give="on or off", check=_check_switch("pin_ahead")),
     Option("device", None, Optional[str], "LMSRT_DEVICE", None,
            doc="``\"cuda\"``, ``\"cuda:N\"``, ``\"sim\"`` (CPU tensors stand in for GPU ones, "
                "for tests) or ``None`` (the current CUDA device; without one LMS is a no-op).",

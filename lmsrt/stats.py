@@ -156,6 +156,8 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("  pinning (s)", last["host_pin_s"], t["host_pin_s"]),
         ("  waited for pins (s)", last["host_pin_wait_s"], t["host_pin_wait_s"]),
         ("  kept, pins late", last["host_lagged"], t["host_lagged"]),
+        *([("  pinned ahead", None, stats["pinned_ahead_bytes"])]
+          if stats.get("pinned_ahead_bytes") else []),
     ]
     for name, a, b in rows:
         cells = []
@@ -167,7 +169,8 @@ def format_summary(stats: Dict[str, object]) -> str:
             elif "bytes" in name or name in ("swapped out", "swapped in", "kept on GPU",
                                              "rebuilt, not moved", "  rebuilt in backward",
                                              "kept, alive anyway", "GPU peak allocated",
-                                             "host pinned peak", "host pinned"):
+                                             "host pinned peak", "host pinned",
+                                             "  pinned ahead"):
                 cells.append(f"{_gib(v):>14}")
             elif name.endswith("(s)"):
                 cells.append(f"{v:14.2f}")

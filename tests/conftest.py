@@ -7,8 +7,21 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # workers cost half the suite's CPU time. Read by torch when it is imported, just below.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Processes the tests start neither read nor write records of pinned memory (lmsrt/cache.py):
+# a record left by one run would change what the next pins ahead.
+os.environ.setdefault("LMSRT_PIN_AHEAD", "off")
+
 import pytest
 import torch
+
+import lmsrt.cache
+
+
+@pytest.fixture(autouse=True)
+def _records_of_this_test_only(tmp_path, monkeypatch):
+    """Each test's LMS objects keep their records of pinned memory (NOTE [ Pinning ahead ]) in
+    the test's own folder: another test's, or an earlier run's, must not change what it pins."""
+    monkeypatch.setattr(lmsrt.cache, "pins_dir", lambda: str(tmp_path / "pins"))
 
 
 def pytest_configure(config):

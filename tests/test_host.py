@@ -6,6 +6,7 @@ while pins lag."""
 import collections
 import gc
 import importlib.util
+import json
 import pathlib
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import lmsrt
+import lmsrt.cache
 from lmsrt import host as host_module
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
@@ -220,6 +222,139 @@ def test_slow_pins_keep_gradients_exact_every_step():
     for _ in range(6):
         assert_same(ref, train_step(model, x, lms=lms))
     lms.close()
+
+
+# -- pinning ahead (lmsrt/cache.py, NOTE [ Pinning ahead ]) ------------------------------------
+
+def _a_new_process(monkeypatch):
+    """As a run of the same command in a new process: its LMS objects count from the first."""
+    monkeypatch.setattr(lmsrt.cache, "_runs", collections.Counter())
+
+
+def _record_at(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _record(lms):
+    return _record_at(lms._engine.memo.path)
+
+
+def test_a_rerun_pins_ahead_what_the_last_run_used(monkeypatch):
+    """The first run's step 1 finds no pin (none lands in it) and moves nothing; a rerun of the
+    same command starts pinning what the first used as its LMS is created, and its step 1, with
+    no pin landing in it either, moves every eligible tensor without waiting. Exact throughout."""
+    torch.manual_seed(0)
+    model, x = transformer(d=32, layers=4, heads=2), torch.randn(2, 16, 32)
+    ref = train_step(model, x)
+    everything = _eligible_bytes(model, x)
+    _a_new_process(monkeypatch)
+    device = SimulatedDevice(pin_threads=2)
+    first = lmsrt.LMS(device=device, lms=1, lms_frac=0.0)
+    device.pin_gate.clear()
+    try:
+        assert_same(ref, train_step(model, x, lms=first))
+    finally:
+        device.pin_gate.set()
+    assert first.stats()["last_step"]["out_bytes"] == 0
+    _exact_and_moving_once_pins_land(first, model, x, ref, steps=2)
+    slabs = _record(first)["slabs"]
+    assert sum(slabs) >= first.stats()["total"]["host_peak_bytes"] > 0
+    assert first.stats()["pinned_ahead_bytes"] == 0
+    first.close()
+
+    _a_new_process(monkeypatch)
+    device = SimulatedDevice(pin_threads=2)
+    again = lmsrt.LMS(device=device, lms=1, lms_frac=0.0)
+    pool = again._engine.host
+    assert pool.pinned_bytes == sum(slabs)                 # started as the LMS was made
+    _until(lambda: pool.pins_in_flight == 0)               # while the script builds its model
+    pool._adopt()                                          # as the first request will
+    assert [slab.size for slab in pool.slabs] == slabs
+    device.pin_gate.clear()
+    try:
+        assert_same(ref, train_step(model, x, lms=again))
+    finally:
+        device.pin_gate.set()
+    step = again.stats()["last_step"]
+    assert step["out_bytes"] == everything and step["kept_bytes"] == 0, (step, everything)
+    assert step["host_pin_wait_s"] == 0 and step["host_lagged"] == 0
+    assert step["deferred_tensors"] == 0
+    assert again.stats()["pinned_ahead_bytes"] == sum(slabs)
+    assert "pinned ahead" in again.summary()
+    again.close()
+
+
+def test_records_are_per_command_setting_and_lms_and_off_touches_none(monkeypatch, tmp_path):
+    """Another setting, another cap or a second LMS of the same process starts cold; off reads
+    and writes nothing; slabs pinned ahead that no request used drop out of the record as the
+    run closes."""
+    torch.manual_seed(0)
+    model, x = mlp(d=64, layers=4), torch.randn(64, 64)
+
+    def run(steps=2, **kw):
+        lms = lmsrt.LMS(device=kw.pop("device", None) or SimulatedDevice(), lms=1, **kw)
+        for _ in range(steps):
+            train_step(model, x, lms=lms)
+        lms.close()
+        return lms
+
+    _a_new_process(monkeypatch)
+    path = run(lms_frac=0.0)._engine.memo.path
+    slabs = _record_at(path)["slabs"]
+    assert len(list((tmp_path / "pins").iterdir())) == 1 and sum(slabs) > 0
+    _a_new_process(monkeypatch)
+    assert lmsrt.LMS(device=SimulatedDevice(), lms=1, lms_frac=0.0)._engine.memo.recalled == slabs
+    assert lmsrt.LMS(device=SimulatedDevice(), lms=1, lms_frac=0.0)._engine.memo.recalled == []
+    for other in (dict(lms_frac=0.5), dict(lms_frac=0.0, device=SimulatedDevice(2 << 30))):
+        _a_new_process(monkeypatch)
+        assert run(**other).stats()["pinned_ahead_bytes"] == 0
+    _a_new_process(monkeypatch)
+    off = run(lms_frac=0.0, pin_ahead=False)
+    assert off._engine.memo is None and off.stats()["pinned_ahead_bytes"] == 0
+    assert len(list((tmp_path / "pins").iterdir())) == 3        # the two other runs' too
+    with open(path, "w") as f:
+        json.dump({"slabs": slabs * 3}, f)                      # a run that used more
+    _a_new_process(monkeypatch)
+    again = run(lms_frac=0.0)
+    assert again.stats()["pinned_ahead_bytes"] == 3 * sum(slabs)
+    assert _record_at(path)["slabs"] == slabs
+
+
+def test_a_record_that_cannot_be_read_or_written_is_as_none(monkeypatch, tmp_path):
+    """Garbage in the record, or a cache that cannot be written: the run starts cold, trains
+    exactly and raises nothing; old records beyond the last few are pruned."""
+    torch.manual_seed(0)
+    model, x = mlp(d=64, layers=4), torch.randn(64, 64)
+    ref = train_step(model, x)
+    _a_new_process(monkeypatch)
+    lms = lmsrt.LMS(device=SimulatedDevice(), lms=1, lms_frac=0.0)
+    assert_same(ref, train_step(model, x, lms=lms))
+    path = lms._engine.memo.path
+    lms.close()
+    for garbage in ("{", '{"slabs": "lots"}', "[]", '{"slabs": [4096, -1]}', '{"slabs": [1.5]}'):
+        with open(path, "w") as f:
+            f.write(garbage)
+        _a_new_process(monkeypatch)
+        lms = lmsrt.LMS(device=SimulatedDevice(), lms=1, lms_frac=0.0)
+        assert lms._engine.memo.recalled == [] and lms._engine.host.pinned_bytes == 0
+        lms.close()
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setattr(lmsrt.cache, "pins_dir", lambda: str(tmp_path / "a file" / "pins"))
+    _a_new_process(monkeypatch)
+    lms = lmsrt.LMS(device=SimulatedDevice(), lms=1, lms_frac=0.0)
+    for _ in range(2):
+        assert_same(ref, train_step(model, x, lms=lms))
+    assert lms._engine.memo.written == 0
+    lms.close()
+    monkeypatch.setattr(lmsrt.cache, "pins_dir", lambda: str(tmp_path / "few"))
+    monkeypatch.setattr(lmsrt.cache, "_KEEP", 2)
+    for frac in (0.0, 0.1, 0.2, 0.3):
+        lms = lmsrt.LMS(device=SimulatedDevice(), lms=1, lms_frac=frac)
+        train_step(model, x, lms=lms)
+        lms.close()
+        time.sleep(0.01)                                     # distinct times to prune by
+    assert len(list((tmp_path / "few").iterdir())) == 2
 
 
 # -- give-back -------------------------------------------------------------------------------
@@ -487,7 +622,7 @@ def test_cuda_pool_waits_for_a_background_pin_and_copies_exactly():
 
 def _eligible_bytes(model, x):
     """What a step at lms_frac 0 with pins at hand moves (a reference for deferred steps)."""
-    lms = make_lms("sim")
+    lms = make_lms("sim", pin_ahead=False)
     train_step(model, x, lms=lms)
     moved = lms.stats()["last_step"]["out_bytes"]
     lms.close()
@@ -606,6 +741,38 @@ def test_cuda_pinning_overlaps_the_first_step():
     assert times[0] < settled + 0.5 * pinning, (times, pinning)
     assert lms.stats()["last_step"]["out_bytes"] > 0
     lms.close()
+
+
+@pytest.mark.cuda
+def test_cuda_a_rerun_pins_ahead_and_its_first_step_waits_for_no_pin(monkeypatch):
+    """About 3 GiB saved a step, everything swapped: a second run of the same command pins what
+    the first used as its LMS is made; once those pins are in (the time a script takes to build
+    its model), its first step waits for none, defers nothing and moves at least as much as the
+    first run's did."""
+    torch.manual_seed(0)
+    model = transformer(d=1024, layers=6, heads=8).cuda()
+    x = torch.randn(8, 512, 1024, device="cuda")
+    ref = train_step(model, x)
+    firsts = []
+    for run in range(2):
+        _a_new_process(monkeypatch)
+        lms = make_lms("cuda", pins_ready=False)
+        pool = lms._engine.host
+        if run:
+            assert lms.stats()["pinned_ahead_bytes"] >= firsts[0]["host_peak_bytes"] > 0
+            _until(lambda: pool.pins_in_flight == 0, timeout=120)
+        for _ in range(3):
+            assert_same(ref, train_step(model, x, lms=lms))
+        firsts.append(lms.stats()["history"][0])
+        lms.close()
+    cold, warm = firsts
+    late = cold["deferred_tensors"] + cold["host_lagged"]
+    assert cold["host_pin_wait_s"] + late > 0, cold
+    # Pins ahead cover what the first run moved; this step moves more (what the first kept
+    # while pins ran), and a pin for that may still be under way: not waited for.
+    assert warm["host_pin_wait_s"] == 0 and warm["deferred_tensors"] == 0, warm
+    assert warm["host_lagged"] < max(late, 1), (warm, cold)
+    assert warm["out_bytes"] >= cold["out_bytes"] > 0, (warm, cold)
 
 
 @pytest.mark.cuda

@@ -522,5 +522,5 @@ def test_info_json():
     data = json.loads(result.stdout)
     assert data["allocator"] == arena.native_status() and data["native_allocator"] == arena.NATIVE
     assert data["host"]["pinned_budget_bytes"] > 0
-    assert data["settings"] == {"LMSRT_DEVICE": "sim"}
+    assert data["settings"] == {"LMSRT_DEVICE": "sim", "LMSRT_PIN_AHEAD": "off"}
     assert (data["gpus"] == []) == (not torch.cuda.is_available())
