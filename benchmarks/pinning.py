@@ -6,7 +6,9 @@
 
 For each workload it first runs the model uncapped without lmsrt (its first and settled step times,
 and the pinned D2H/H2D bandwidth), then with ``lmsrt.LMS()`` at its defaults under a GPU cap
-(torch.cuda.set_per_process_memory_fraction), each in its own process, with
+(torch.cuda.set_per_process_memory_fraction) twice: "cold", as a command's first run, and "warm",
+as its rerun, which pins ahead the slabs the first used (lmsrt/cache.py, NOTE [ Pinning ahead ];
+both keep their records in a folder of this benchmark's own). Each run has its own process, with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as benchmarks/offload.py runs them. Per lmsrt step
 it records the wall time and the host pool's figures: pinned bytes, the peak in use, seconds
 spent pinning (on the pinning threads) and waited for pins (on the training thread), swap-outs
@@ -26,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,11 +52,16 @@ def _pool_figures(pool) -> dict:
             "pins_in_flight": pool.pins_in_flight, "slabs": len(pool.slabs)}
 
 
-def child(workload: str, method: str, cap_gib: float, steps: int, lms_frac=None) -> dict:
+def child(workload: str, method: str, cap_gib: float, steps: int, lms_frac=None,
+          pins_dir: str = "") -> dict:
     import torch
     import lmsrt
+    import lmsrt.cache
     from offload import _bandwidth
     from workloads import build
+
+    if pins_dir:                 # the records of this benchmark's runs, not the user's
+        lmsrt.cache.pins_dir = lambda: pins_dir
 
     if cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -83,16 +91,19 @@ def child(workload: str, method: str, cap_gib: float, steps: int, lms_frac=None)
         res["bandwidth"] = _bandwidth()
     if lms is not None:
         res["summary"] = lms.summary()
+        res["pinned_ahead_bytes"] = lms.stats()["pinned_ahead_bytes"]
         lms.close()
     return res
 
 
 # -- parent: the runs, the table ---------------------------------------------------------------
 
-def run_child(args, workload: str, method: str, cap: float) -> dict:
+def run_child(args, workload: str, method: str, cap: float, pins_dir: str = "",
+              run: str = "") -> dict:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{workload}:{method}:{cap}",
-           "--steps", str(args.steps)] + (["--lms-frac", args.lms_frac] if args.lms_frac else [])
+           "--steps", str(args.steps), "--pins-dir", pins_dir] + (
+               ["--lms-frac", args.lms_frac] if args.lms_frac else [])
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -101,12 +112,14 @@ def run_child(args, workload: str, method: str, cap: float) -> dict:
         res = {"outcome": "timeout"}
     except (IndexError, json.JSONDecodeError):
         res = {"outcome": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    res.update(workload=workload, method=method, cap_gib=cap, wall_s=round(time.time() - t0, 1))
+    res.update(workload=workload, method=method, cap_gib=cap, run=run,
+               wall_s=round(time.time() - t0, 1))
     shown = (f"first {res['first_s']:.2f} s, settled {res['settled_s']:.3f} s"
              if res["outcome"] == "ok" else res["outcome"])
     if "error" in res:
         shown += f": {res['error']}"
-    print(f"  {workload:7} {method:9} cap={cap or '-':>4} {shown}  ({res['wall_s']} s)", flush=True)
+    print(f"  {workload:7} {method:9} {run:4} cap={cap or '-':>4} {shown}  ({res['wall_s']} s)",
+          flush=True)
     return res
 
 
@@ -137,29 +150,34 @@ def figures(row: dict, ref: dict) -> dict:
         "given_back_gib": sum(s["given_back_bytes"] for s in steps) / GiB,
         "slabs": steps[-1]["slabs"],
         "ref_first_s": ref["first_s"], "ref_settled_s": ref["settled_s"],
+        "pinned_ahead_gib": row.get("pinned_ahead_bytes", 0) / GiB,
     }
 
 
 def table(rows: list) -> str:
-    head = (f"{'workload':8} {'cap':>4} {'pinned':>7} {'max':>7} {'used pk':>7} {'ratio':>5} "
+    head = (f"{'workload':8} {'cap':>4} {'run':4} {'ahead':>6} {'pinned':>7} {'max':>7} "
+            f"{'used pk':>7} {'ratio':>5} "
             f"{'first s':>8} {'settled':>8} {'target':>7} {'ok':>3} {'pin s':>6} {'waited':>6} "
             f"{'lagged':>6} {'back':>6} {'ref 1st':>7} {'ref s':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r["outcome"] != "ok":
-            lines.append(f"{r['workload']:8} {r['cap_gib']:>4g} {r['outcome']} "
-                         f"{r.get('error', '')}")
+            lines.append(f"{r['workload']:8} {r['cap_gib']:>4g} {r.get('run', ''):4} "
+                         f"{r['outcome']} {r.get('error', '')}")
             continue
         f = r["figures"]
         ok = f["pinned_over_used"] <= TARGET_RATIO and f["first_s"] <= f["first_target_s"]
         lines.append(
-            f"{r['workload']:8} {r['cap_gib']:>4g} {f['pinned_end_gib']:7.2f} "
+            f"{r['workload']:8} {r['cap_gib']:>4g} {r.get('run', ''):4} "
+            f"{f['pinned_ahead_gib']:6.2f} {f['pinned_end_gib']:7.2f} "
             f"{f['pinned_max_gib']:7.2f} {f['used_peak_gib']:7.2f} {f['pinned_over_used']:5.2f} "
             f"{f['first_s']:8.2f} {f['settled_s']:8.3f} {f['first_target_s']:7.2f} "
             f"{'yes' if ok else 'no':>3} {f['pin_s']:6.2f} {f['pin_wait_s']:6.2f} "
             f"{f['lagged']:6d} {f['given_back_gib']:6.2f} {f['ref_first_s']:7.2f} "
             f"{f['ref_settled_s']:6.3f}")
-    lines.append("GiB: pinned at the end, its maximum, the peak in use; ratio = pinned / peak "
+    lines.append("run: cold (a command's first run) or warm (its rerun, pinning ahead what the "
+                 "first used); GiB: pinned ahead at the start, pinned at the end, its maximum, "
+                 "the peak in use; ratio = pinned / peak "
                  f"(target <= {TARGET_RATIO}); target = 2 x settled + the first step's copies; "
                  "pin s on the pinning threads, waited on the training thread; lagged = swap-outs "
                  "kept on the GPU while their pins ran; back = GiB given back; ref = no lmsrt, "
@@ -180,12 +198,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--pins-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         workload, method, cap = args.child.split(":")
         frac = args.lms_frac
         frac = None if frac is None else frac if frac == "auto" else float(frac)
-        print(json.dumps(child(workload, method, float(cap), args.steps, frac)))
+        print(json.dumps(child(workload, method, float(cap), args.steps, frac, args.pins_dir)))
         return
     rows = []
     for name in args.workloads.split(","):
@@ -194,10 +213,13 @@ def main() -> None:
             print(f"{name}: the uncapped reference failed ({ref['outcome']}); skipped")
             continue
         cap = args.cap_gib if args.cap_gib is not None else CAPS.get(name, 12.0)
-        row = run_child(args, name, "lmsrt", cap)
-        if row["outcome"] == "ok":
-            row["figures"] = figures(row, ref)
-        rows += [ref, row]
+        rows.append(ref)
+        with tempfile.TemporaryDirectory() as pins:
+            for run in ("cold", "warm"):
+                row = run_child(args, name, "lmsrt", cap, pins, run)
+                if row["outcome"] == "ok":
+                    row["figures"] = figures(row, ref)
+                rows.append(row)
     if not rows:
         sys.exit("no workload ran (the benchmark needs a CUDA GPU); nothing written")
     text = table([r for r in rows if r["method"] == "lmsrt"])

@@ -574,13 +574,16 @@ def test_the_pinning_benchmark_reads_its_figures_and_prints_its_table():
                 lagged=3, given_back_bytes=0, pins_in_flight=0, slabs=12, out_bytes=9 * GiB,
                 in_bytes=9 * GiB, kept_bytes=0)
     ref = {"first_s": 3.0, "settled_s": 0.5, "bandwidth": {"d2h": 50e9, "h2d": 50e9}}
-    row = {"outcome": "ok", "workload": "lm", "method": "lmsrt", "cap_gib": 14.0,
-           "first_s": 1.5, "settled_s": 0.8, "steps": [step, dict(step, pin_s=0.5)]}
+    row = {"outcome": "ok", "workload": "lm", "method": "lmsrt", "cap_gib": 14.0, "run": "warm",
+           "first_s": 1.5, "settled_s": 0.8, "steps": [step, dict(step, pin_s=0.5)],
+           "pinned_ahead_bytes": 3 * GiB}
     row["figures"] = f = bench.figures(row, ref)
     assert f["pinned_over_used"] == pytest.approx(10 / 9) and f["pin_s"] == 2.5
     assert f["first_target_s"] == pytest.approx(1.6 + 2 * 9 * GiB / 50e9)
+    assert f["pinned_ahead_gib"] == 3
     text = bench.table([row, {"outcome": "OOM", "workload": "gpt", "cap_gib": 12.0}])
     assert "lm" in text and "OOM" in text and " yes " in text
+    assert "warm   3.00" in text
 
 
 # -- CUDA ------------------------------------------------------------------------------------
