@@ -73,7 +73,8 @@ made (no room for a second copy, an input gone), the storage is swapped as usual
 recipe as a check: its first use rebuilds it beside the copy and compares on the GPU
 (``Rebuilds.check``); the step's end reads the comparisons, and that signature's storages are
 rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan offloads
-rebuildable storages first (policy.py).
+rebuildable storages first (policy.py). A planned step that offloads nothing notes no recipes
+(``Rebuilds.noting``; under ``with lms:`` per step no recorder is entered at all).
 
 NOTE [ Deferred copies ]
 A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait for
@@ -379,6 +380,7 @@ class SwapEngine:
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
         self._deferred: collections.deque = collections.deque()   # waiting for a pin to copy out
         self._deferred_kept = 0
+        self._swapped_last = 0          # bytes the last finished step swapped or rebuilt
         self._held_bytes = 0
         self._by_ptr: dict = {}        # storage address -> _Storage/_Kept, for this forward
         self._order: List[_Storage] = []   # swapped storages in save order, for prefetch
@@ -467,6 +469,12 @@ class SwapEngine:
                 if self.rebuilds.holding:
                     self.rebuilds.let_go()
                 self.rebuilds.holding = self.step.step == 1
+                # A planned step that offloads nothing rebuilds nothing: no recipes (each costs
+                # the op's dispatch through Python and objects for the collector: measured on an
+                # LM that fits its cap, 1.7x the step without lmsrt). Should it swap after all,
+                # it copies; the step after notes recipes again.
+                self.rebuilds.noting = not (self.plan.planned and self.plan.target == 0
+                                            and not self._swapped_last)
             self.host.new_step()
 
     def _begin_plan(self) -> None:
@@ -540,9 +548,10 @@ class SwapEngine:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         followed = self.plan.finish_step(rebuildable)
+        self._swapped_last = s.out_bytes + s.recipe_bytes + self._deferred_kept
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self._forward_end_use,
-                                swapped=s.out_bytes + s.recipe_bytes + self._deferred_kept,
+                                swapped=self._swapped_last,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures)
         s.policy_note = self.policy.note()

@@ -232,7 +232,7 @@ class LMS:
             engine._pop_stale_hooks(threading.get_ident())
         torch._C._autograd._push_saved_tensors_default_hooks(engine.pack, engine.unpack)
         self._active.hooks = True
-        if engine.rebuilds is not None:
+        if engine.rebuilds is not None and engine.rebuilds.noting:
             # Records how cheap ops made their outputs (engine.py, NOTE [ Rebuilt storages ]).
             self._active.recorder = engine.rebuilds.recorder().__enter__()
         return self

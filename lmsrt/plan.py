@@ -67,7 +67,11 @@ class OffloadPlan:
             return False
         if index < len(self.recorded) and self.recorded[index] == nbytes:
             chosen = self.chosen
-            return chosen[index] if chosen else index < self.cutoff
+            if chosen:
+                # Flags made for a sequence of another length (a profile learnt before the
+                # batch grew) say nothing past their end: kept, as the policy's levels decide.
+                return index < len(chosen) and chosen[index]
+            return index < self.cutoff
         self.matched = False
         return False
 

@@ -52,7 +52,8 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      raise it by limit/64; after four clean steps it gives back limit/128, down to limit/32.
   5. A step whose sequence differs is reactive: it swaps what passes the bound less the largest
      growth the profile saw. A sequence that keeps changing is learnt again, at most every
-     ``_RELEARN`` steps.
+     ``_RELEARN`` steps; one that changed once and then repeated (a larger batch from here on)
+     is learnt again at once: the profile no longer describes the steps it plans.
 A model that fits under the bound keeps everything: nothing moves.
 
 NOTE [ Fixed mark ]
@@ -446,6 +447,10 @@ class AutoPolicy:
         if not followed and self._since_learnt >= _RELEARN:
             self.learning = True        # the sequence changed: learn it again
             self.why = "the sequence of saved tensors changed: learning it again"
+        elif followed and self.profile is not None and plan.recorded != self.profile.sizes:
+            self.learning = True        # it changed, and repeated: the profile is another's
+            self.why = ("the sequence of saved tensors changed and repeated: learning it "
+                        "again")
         if self.profile is None:
             plan.set_target(swapped)
             self._reactive = bound - self.overlap

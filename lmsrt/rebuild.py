@@ -294,11 +294,13 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, recipes: Optional[dict] = None,
                  entry_of: Callable[[torch.Tensor], object] = lambda t: None,
-                 holding: Callable[[], bool] = lambda: False):
+                 holding: Callable[[], bool] = lambda: False,
+                 noting: Callable[[], bool] = lambda: True):
         super().__init__()
         self._recipes: Dict[int, tuple] = {} if recipes is None else recipes
         self._entry_of = entry_of
         self._holding = holding      # whether new recipes hold their inputs (``Recipe.hold``)
+        self._noting = noting        # whether to note recipes at all (the step may rebuild)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -311,7 +313,7 @@ class Recorder(TorchDispatchMode):
         op = REBUILDABLE.get(func)
         # Not in backward, nor where autograd saves nothing (no_grad, inference mode, whose
         # tensors have no version counter to check a recipe by).
-        if (op is None or torch._C._current_graph_task_id() != -1
+        if (op is None or not self._noting() or torch._C._current_graph_task_id() != -1
                 or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
                 or not all(t is torch.Tensor or t is torch.nn.Parameter for t in types)
                 or not all(_plain(a) for a in args if isinstance(a, torch.Tensor))):
@@ -446,10 +448,11 @@ class Rebuilds:
         self._checked_now = 0                    # checks made in forward, this step
         self._mismatched: set = set()            # ops whose check did not match, this step
         self.holding = False                     # new recipes hold their inputs (the engine sets)
+        self.noting = True                       # recorders note recipes (the engine sets)
 
     def recorder(self) -> Recorder:
         """A recorder for one thread, writing this table."""
-        return Recorder(self.recipes, self.entry_of, lambda: self.holding)
+        return Recorder(self.recipes, self.entry_of, lambda: self.holding, lambda: self.noting)
 
     def pop_stale_recorder(self) -> None:
         """Take off this thread's mode stack a recorder of this table that autograd put back:

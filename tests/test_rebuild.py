@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
@@ -520,6 +521,44 @@ def test_where_part_must_move_rebuilt_bytes_come_off_what_moves(lms_frac):
         moved[recompute] = last["out_bytes"], last["recipe_bytes"]
     (off, _), (on, rebuilt) = moved[False], moved[True]
     assert rebuilt > 0 and on < off, moved
+
+
+def test_a_plan_that_offloads_nothing_notes_no_recipes_until_it_offloads_again():
+    """A model that fits: from the first planned step that keeps everything, forward runs
+    without the recorder (its per-op cost made an LM that fits 1.7x slower). When the batch
+    grows past the cap (more storages than the profile knew: this raised IndexError in the
+    plan), that step copies what it must move, exactly; the new sequence is learnt again once
+    it repeats, and later steps note recipes and rebuild again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(64, 4) for _ in range(8)])
+    small, big = torch.randn(2, 64, 64), torch.randn(8, 64, 64)
+    ref_small, ref_big = _train(model, small), _train(model, big)
+    device = SimulatedDevice(capacity=20 << 20, strict=True)    # big's uncapped peak: 20 MiB
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")
+    recording = []
+    enter = type(lms).__enter__
+
+    def entered(self):
+        out = enter(self)
+        recording.append(isinstance(_get_current_dispatch_mode(), Recorder))
+        return out
+
+    type(lms).__enter__ = entered
+    try:
+        for _ in range(4):
+            assert_same(ref_small, _train(model, small, lms=lms))
+        assert recording[0] and not any(recording[2:]), recording
+        assert all(s["out_bytes"] == 0 for s in _steps(lms)[1:]), _steps(lms)
+        for _ in range(6):
+            assert_same(ref_big, _train(model, big, lms=lms))
+    finally:
+        type(lms).__enter__ = enter
+    bigger = _steps(lms)[4:]
+    assert bigger[0]["recipe_bytes"] == 0 and bigger[0]["out_bytes"] > 0, bigger[0]
+    # The larger batch repeated: learnt again (its profile, not the small one's, plans).
+    assert any("changed and repeated" in s["policy_note"] for s in bigger), bigger
+    assert recording[-1] and bigger[-1]["recipe_bytes"] > 0, (recording, bigger[-1])
+    lms.close()
 
 
 # -- what the engine must not rebuild, and what must not break -------------------------------
