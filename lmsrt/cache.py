@@ -3,16 +3,18 @@ C++ copy path (copy_path.py) and, per run, the pinned host memory it used.
 
 NOTE [ Pinning ahead ]
 A first step that swaps waits for its pins (host.py, NOTE [ Pinning ]): measured on an H200,
-0.4-0.55 s of a 1.3-1.5 s first step on the benchmark's models, where a settled step takes
+0.4-0.8 s of a 1.4-1.9 s first step on the benchmark's models, where a settled step takes
 0.17-0.41 s. A run of the same command as before needs what that run needed, so each LMS
 remembers the pinned slabs its steps used (``PinMemo``) and, as the next run's LMS is created,
 slabs of the same sizes start pinning in the background (``HostPool.pin_slabs``): under ``lmsrt
 run`` while the script builds its model and its data, and in any case ahead of the first save.
+Measured there (benchmarks/pinning.py, the rerun against the first run): waiting for pins in the
+first step 0.78 -> 0.00 s (gpt), 0.46 -> 0.10 s (seg), 0.42 -> 0.00 s (lm).
 
-  Which run. A record is per command line (``sys.orig_argv``, files by their real paths), working
-  directory, local rank, GPU, memory limit and settings, and per LMS created in the process with
-  all of those (a script's second LMS is not its first). Another command, cap or setting starts
-  cold, as before; nothing else is guessed.
+  Which run. A record is per command line (``sys.orig_argv``, files by their real paths),
+  working directory, host, local rank, GPU, memory limit and settings, and per LMS created in
+  the process with all of those (a script's second LMS is not its first). Another command, cap
+  or setting starts cold, as before; nothing else is guessed.
   What. The sizes of the slabs that requests used, at the step's end where they were the most
   (under ``lms_frac="auto"`` step 1, which swaps every eligible tensor): the same layout serves
   the same requests, where the bytes alone, pinned in chunks, left large tensors without a slab
@@ -21,9 +23,10 @@ run`` while the script builds its model and its data, and in any case ahead of t
   and at ``close`` when the run used a sixteenth less than the record (slabs pinned ahead that
   no request used drop out of it).
   Never in the way. A record that cannot be read or written (no such file, a read-only cache,
-  garbage) is as no record; writes replace the file whole; the last ``_KEEP`` records are kept. ``pin_ahead=False`` (``--pin-ahead
-  off``, ``LMSRT_PIN_AHEAD=off``) neither reads nor writes. Pins ahead take no more than the host
-  budget allows, and those no step uses are given back after ``_IDLE_STEPS`` steps like any slab.
+  garbage) is as no record; writes replace the file whole; the last ``_KEEP`` records are kept.
+  ``pin_ahead=False`` (``--pin-ahead off``, ``LMSRT_PIN_AHEAD=off``) neither reads nor writes.
+  Pins ahead take no more than the host budget allows, and those no step uses are given back
+  after ``_IDLE_STEPS`` steps like any slab.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import collections
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 from typing import List
@@ -85,7 +89,8 @@ class PinMemo:
     """
 
     def __init__(self, settings: dict, device: str, limit: int):
-        base = [_command(), os.getcwd(), os.environ.get("LOCAL_RANK", "0"), device, limit,
+        base = [_command(), os.getcwd(), socket.gethostname(), os.environ.get("LOCAL_RANK", "0"),
+                device, limit,
                 sorted((k, repr(v)) for k, v in settings.items())]
         text = json.dumps(base, default=repr)
         _runs[text] += 1
