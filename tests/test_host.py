@@ -113,6 +113,29 @@ def test_reserve_pins_ahead_once_and_not_again():
     pool.close()
 
 
+@pytest.mark.parametrize("threads", [0, 2])
+def test_pin_slabs_pins_that_layout_within_the_budget_and_used_slabs_reads_it_back(threads):
+    """A layout pinned ahead is pinned slab for slab (so large requests find their slab), the
+    budget stops it, and only the slabs requests used count as used."""
+    layout = [3 * MiB, MiB, 2 * MiB]
+    pool = HostPool(SimulatedDevice(pin_threads=threads), budget=1 << 40, chunk_min=MiB,
+                    chunk_max=MiB)
+    pool.pin_slabs(layout)
+    _until(lambda: pool.pins_in_flight == 0)
+    big = pool.alloc(3 * MiB)                        # a request larger than any chunk fits
+    assert big is not None and pool.pinned_bytes == 6 * MiB and pool.lagged == 0
+    assert sorted(slab.size for slab in pool.slabs) == sorted(layout)
+    assert pool.used_slabs() == [3 * MiB]
+    pool.free(big)
+    pool.close()
+    small = HostPool(SimulatedDevice(pin_threads=threads), budget=4 * MiB, chunk_min=MiB,
+                     chunk_max=MiB)
+    with pytest.warns(RuntimeWarning, match="budget"):
+        small.pin_slabs(layout)                      # 3 MiB fits, 1 MiB fits, 2 MiB does not
+    assert small.pinned_bytes == 4 * MiB
+    small.close()
+
+
 # -- background pinning ------------------------------------------------------------------------
 
 def test_background_pins_feed_allocs_and_none_while_they_run():
