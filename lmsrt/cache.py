@@ -90,8 +90,7 @@ class PinMemo:
 
     def __init__(self, settings: dict, device: str, limit: int):
         base = [_command(), os.getcwd(), socket.gethostname(), os.environ.get("LOCAL_RANK", "0"),
-                device, limit,
-                sorted((k, repr(v)) for k, v in settings.items())]
+                device, limit, sorted((k, repr(v)) for k, v in settings.items())]
         text = json.dumps(base, default=repr)
         _runs[text] += 1
         key = hashlib.sha256(f"{text}#{_runs[text]}".encode()).hexdigest()[:20]

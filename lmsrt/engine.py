@@ -106,9 +106,9 @@ from typing import List, Optional
 
 import torch
 
+from .cache import PinMemo
 from .config import LMSConfig
 from .diagnostics import Diagnostics
-from .cache import PinMemo
 from .host import HostPool, HostSlot
 from .plan import OffloadPlan
 from .policy import make_policy
