@@ -22,6 +22,7 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.policy import AutoPolicy, Profile
+from models import assert_same, train_step, transformer
 
 MiB = 1 << 16          # scaled down: the sizes relate as MiB would, and run fast on a CPU
 
@@ -236,6 +237,28 @@ def test_a_storage_the_model_holds_anyway_costs_nothing_to_keep_while_it_does():
     assert chosen({}) == [True, True, True, True]
     # Held to the end of the step: nothing to add after it was let go.
     assert chosen({3: (4, None)}) == [True, True, True, False]
+
+
+@pytest.mark.parametrize("lms_frac", ["auto", 0.5])
+def test_batches_of_changing_size_train_exactly(lms_frac):
+    """Batch sizes that change from step to step, then settle, then alternate: the number of
+    storages that pass ``lms`` changes with them (LayerNorm's statistics grow past 1 KB), each
+    step's gradients equal the run without LMS, and a larger batch that repeats is learnt again
+    under auto. (Auto raised IndexError here when a batch grew past the one it had learnt.)"""
+    torch.manual_seed(0)
+    model = transformer(d=64, layers=6, heads=4)
+    xs = {b: torch.randn(b, 32, 64) for b in (2, 4, 8, 16)}
+    refs = {b: train_step(model, x) for b, x in xs.items()}
+    order = [4, 4, 2, 8, 16, 16, 8, 16, 8, 4, 4, 8] + [16] * 4 + [2, 2, 16, 2, 16, 2, 2, 16]
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=16 << 20, strict=True), lms=1,
+                    lms_frac=lms_frac)
+    for b in order:
+        assert_same(refs[b], train_step(model, xs[b], lms=lms))
+    steps = lms.stats()["history"] + [lms.stats()["last_step"]]
+    assert sum(s["out_bytes"] for s in steps) > 0
+    if lms_frac == "auto":
+        assert any("changed and repeated" in s["policy_note"] for s in steps), steps
+    lms.close()
 
 
 # -- on a GPU ------------------------------------------------------------------------------------
