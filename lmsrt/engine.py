@@ -477,7 +477,7 @@ class SwapEngine:
                                             and not self._swapped_last)
             self.host.new_step()
 
-    def _begin_plan(self) -> None:
+    def _begin_plan(self, first: int) -> None:
         """The step's first saved storage: GPU use now is the base its policy plans from. (Not
         at ``begin_forward``: under ``lmsrt run`` the first step begins with the script, before
         its model exists, later steps with their first save; the first save is the same point
@@ -485,7 +485,7 @@ class SwapEngine:
         self._base = base = self.device.memory_allocated()
         self._use_read, self._use_delta, self._use_age = base, 0, 0
         policy, plan, step = self.policy, self.plan, self.step
-        policy.begin_step(plan, base)
+        policy.begin_step(plan, base, first)
         self._rec = policy.recording
         if self._rec is not None:
             self.device.reset_peak()
@@ -675,7 +675,7 @@ class SwapEngine:
                 self.diagnostics.compiled_region(caller.f_back)
         self.device.note_saved(storage)
         if self._base is None:
-            self._begin_plan()
+            self._begin_plan(nbytes)
         if self._rec is not None:
             self._record(False, nbytes)
             try:
@@ -893,7 +893,7 @@ class SwapEngine:
         # room) the tensor stays on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
         limit, use = self.limit, self._use_read + self._use_delta      # no new reading
         planned = self.plan.mode == "plan"
-        wait = planned or not self.policy.may_lag or use > limit - (limit >> 3)
+        wait = planned or not self.policy.may_lag(self.plan) or use > limit - (limit >> 3)
         if (wait and not planned and self._forward_open and key == self._compute_key
                 and use <= limit >> _DEFER_SHIFT):
             refused = self.host.refused

@@ -6,7 +6,9 @@ sequence (same sizes in the same order), it follows the plan: it offloads the st
 forward to go out and most of backward to come back. How far the cutoff reaches is the policy's
 decision (policy.py: a fixed mark's target in bytes, or the smallest cutoff whose predicted peak
 fits). A sequence that differs (dynamic shapes) makes the rest of that step reactive and is
-recorded for the next one.
+recorded for the next one. The sequence a step is matched against is the last step's, unless the
+policy planned for another (``expect``: the sequence its profile learnt); a step that differs
+from it by a larger storage, or by more of them, has ``grown`` from there on.
 
 Storages that the engine may rebuild in backward instead of moving (``rebuildable``: engine.py,
 NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes them first.
@@ -36,7 +38,10 @@ class OffloadPlan:
         self.cutoff = 0                 # offload storages with index < cutoff
         self.chosen: List[bool] = []    # or, if not empty: offload storage i if chosen[i]
         self.planned = False            # False: this step is reactive
-        self.matched = True             # this step's sequence matches the recording so far
+        self.expected: Optional[List[int]] = None   # the sequence planned for (None: recorded)
+        self.matched = True             # this step's sequence matches the expected one so far
+        self.grown = False              # it differed by a larger storage, or by more of them
+        self.repeated = False           # the step just finished repeated the one before it
         self.live: set = set()          # indices whose storage outlived the step anyway
         self.live_now: set = set()      # the same, seen in this step's backward
         self.live_age = 0               # steps since the live set was last relearnt
@@ -47,25 +52,37 @@ class OffloadPlan:
         return "plan" if self.planned and self.matched else "reactive"
 
     @property
+    def sequence(self) -> List[int]:
+        """The sequence this step is planned for and matched against."""
+        return self.recorded if self.expected is None else self.expected
+
+    @property
     def followed(self) -> bool:
-        """Whether the step so far (or just finished) repeated the recorded sequence."""
-        return self.planned and self.matched and len(self.current) == len(self.recorded)
+        """Whether the step so far (or just finished) repeated the expected sequence."""
+        return self.planned and self.matched and len(self.current) == len(self.sequence)
 
     @property
     def copied(self) -> int:
         """The target's bytes that are copied out rather than rebuilt: what the host must hold."""
         if not self.rebuildable:
             return self.target
-        flags = self.chosen or [i < self.cutoff for i in range(len(self.recorded))]
-        return sum(n for i, (n, out) in enumerate(zip(self.recorded, flags))
+        sequence = self.sequence
+        flags = self.chosen or [i < self.cutoff for i in range(len(sequence))]
+        return sum(n for i, (n, out) in enumerate(zip(sequence, flags))
                    if out and i not in self.rebuildable)
+
+    def expect(self, sizes: List[int]) -> None:
+        """Plan this step for ``sizes`` (a learnt profile's) rather than the last step's."""
+        self.expected = list(sizes)
+        self.planned = bool(sizes)
 
     def offload(self, index: int, nbytes: int) -> bool:
         """Record storage ``index`` of this step; True if the plan offloads it."""
         self.current.append(nbytes)
         if not (self.planned and self.matched):
             return False
-        if index < len(self.recorded) and self.recorded[index] == nbytes:
+        sequence = self.sequence
+        if index < len(sequence) and sequence[index] == nbytes:
             chosen = self.chosen
             if chosen:
                 # Flags made for a sequence of another length (a profile learnt before the
@@ -73,7 +90,16 @@ class OffloadPlan:
                 return index < len(chosen) and chosen[index]
             return index < self.cutoff
         self.matched = False
+        self.grown = index >= len(sequence) or nbytes > sequence[index]
         return False
+
+    def outgrew(self, learnt: List[int]) -> bool:
+        """Whether the step just finished outgrew ``learnt``: where the two first differ, its
+        storage is the larger, or it saved more of them."""
+        for mine, theirs in zip(self.recorded, learnt):
+            if mine != theirs:
+                return mine > theirs
+        return len(self.recorded) > len(learnt)
 
     def lives_on(self, index: int) -> bool:
         """Whether storage ``index`` (already recorded by ``offload``) stayed alive elsewhere
@@ -88,12 +114,15 @@ class OffloadPlan:
         plan. ``rebuildable``: the indices of the step just finished that the next may rebuild
         instead of moving. The policy then sets the target (``set_target`` or ``set_cutoff``)."""
         followed = self.followed
+        self.repeated = bool(self.current) and self.current == self.recorded
         self.rebuildable = rebuildable or set()
         self.live_age = self.live_age + 1 if followed and self.live_age < _RELEARN_LIVE else 0
         self.live, self.live_now = self.live_now | (self.live if self.live_age else set()), set()
         self.recorded, self.current = self.current, []
         self.planned = bool(self.recorded)
+        self.expected = None
         self.matched = True
+        self.grown = False
         return followed
 
     def set_target(self, target: int) -> None:
@@ -125,5 +154,5 @@ class OffloadPlan:
     def set_offloaded(self, chosen: List[bool]) -> None:
         """Offload storage i if ``chosen[i]`` (one flag per recorded storage)."""
         self.chosen = list(chosen)
-        self.target = sum(n for n, out in zip(self.recorded, chosen) if out)
+        self.target = sum(n for n, out in zip(self.sequence, chosen) if out)
         self.cutoff = max((i + 1 for i, out in enumerate(chosen) if out), default=0)

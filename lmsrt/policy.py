@@ -50,10 +50,15 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      the model's own: nothing to correct. The headroom (room the allocator needs beside what
      is allocated) starts at limit/16; more than two allocator retries a step near the bound
      raise it by limit/64; after four clean steps it gives back limit/128, down to limit/32.
-  5. A step whose sequence differs is reactive: it swaps what passes the bound less the largest
-     growth the profile saw. A sequence that keeps changing is learnt again, at most every
-     ``_RELEARN`` steps; one that changed once and then repeated (a larger batch from here on)
-     is learnt again at once: the profile no longer describes the steps it plans.
+  5. Steps are planned for the learnt sequence (a step that returns to it after another batch
+     follows the plan). A step whose sequence differs is reactive: where it differs by a
+     smaller storage it swaps what passes the bound less the largest growth the profile saw;
+     where by a larger one, or by more of them, the profile says nothing of its own use (a
+     batch 4x the learnt one grows 4x as fast): it swaps everything from there, as a learning
+     step does. A step whose first storage is larger than the learnt one is learnt (the
+     largest batch is the one that must fit); so is one that grew later in its sequence and
+     repeated. A smaller sequence stays reactive (the last, partial batch of an epoch), and one
+     that keeps changing is learnt again at most every ``_RELEARN`` steps.
 A model that fits under the bound keeps everything: nothing moves.
 
 NOTE [ Fixed mark ]
@@ -98,11 +103,10 @@ class FixedPolicy:
         self._first = True
         self._reactive_mark = self.mark - (self.mark >> 3)
 
-    def begin_step(self, plan: OffloadPlan, base: int) -> None:
+    def begin_step(self, plan: OffloadPlan, base: int, first: int) -> None:
         pass
 
-    @property
-    def may_lag(self) -> bool:
+    def may_lag(self, plan: OffloadPlan) -> bool:
         """Whether a swap may leave its tensor on the GPU while its pin runs: not in the first
         step, which holds the least (``swap_at``)."""
         return not self._first
@@ -245,6 +249,7 @@ class AutoPolicy:
         self.correction = 0            # how far the profile over- (-) or under- (+) predicts
         self.profile: Optional[Profile] = None
         self.learning = True           # this step records a profile
+        self._learning_why = ""        # why a later step learns again, if not for its own note
         self._recording: Optional[Profile] = None
         self._since_learnt = 0
         self._clean = 0
@@ -265,31 +270,38 @@ class AutoPolicy:
     def bound(self) -> int:
         return self.limit - self.headroom
 
-    def begin_step(self, plan: OffloadPlan, base: int) -> None:
+    def begin_step(self, plan: OffloadPlan, base: int, first: int) -> None:
+        """A step begins at its first saved storage, of ``first`` bytes (NOTE [ Auto ], 5)."""
         self._base = base
+        prof = self.profile
+        if not self.learning and prof is not None and prof.sizes and first > prof.sizes[0]:
+            self.learning = True
+            self._learning_why = ("its first saved storage is larger than the one learnt: a "
+                                  "larger batch, or longer sequences")
         if self.learning:
             self._recording = Profile()
             return
         self._recording = None
-        if self.profile is not None and plan.planned:
+        if prof is not None:
+            plan.expect(prof.sizes)
             self._make_plan(plan, base)
 
     def swap_at(self, plan: OffloadPlan, i: int) -> int:
-        if self.learning:
+        if self.learning or plan.grown:
             return 0
         if plan.mode == "plan" and i < len(self._swap):
             return self._base + self._swap[i]
         return self._reactive
 
     def hold_to(self, plan: OffloadPlan, i: int) -> int:
-        if self.learning:
+        if self.learning or plan.grown:
             return 0
         if plan.mode == "plan" and i < len(self._hold):
             return self._base + self._hold[i]
         return self._reactive
 
     def fetch_to(self, plan: OffloadPlan, j: int) -> int:
-        if self.learning:
+        if self.learning or plan.grown:
             return 0
         if plan.mode == "plan" and self._fetch:
             return self._base + self._fetch[min(j, len(self._fetch) - 1)]
@@ -297,10 +309,10 @@ class AutoPolicy:
 
     # -- learning ----------------------------------------------------------------------------
 
-    @property
-    def may_lag(self) -> bool:
-        """A learning step's swaps wait for their pins (NOTE [ Auto ], 1)."""
-        return not self.learning
+    def may_lag(self, plan: OffloadPlan) -> bool:
+        """A learning step's swaps wait for their pins (NOTE [ Auto ], 1), and so do those of a
+        step that has grown past what was learnt (5)."""
+        return not (self.learning or plan.grown)
 
     @property
     def recording(self) -> Optional[Profile]:
@@ -312,7 +324,6 @@ class AutoPolicy:
         prof = self.profile
         budget = self.bound - base - self.correction
         if (self._planned_for is not None and abs(budget - self._planned_for) < self.limit >> _REPLAN
-                and len(plan.recorded) == len(prof.sizes)
                 and plan.rebuildable == self._planned_rebuildable):
             return                       # the same plan, give or take a few MiB of use
         self._planned_for = budget
@@ -388,9 +399,12 @@ class AutoPolicy:
             if prof is not None and prof.sizes and len(prof.sizes) == len(plan.recorded):
                 prof.live = set(plan.live)
                 self.profile = prof
-                self.why = "learnt the model's own use; planning from the next step"
+                self.correction = 0        # what another profile mispredicted tells nothing
+                why = f" ({self._learning_why})" if self._learning_why else ""
+                self.why = f"learnt the model's own use{why}; planning from the next step"
             elif self.profile is None:
                 self._reactive = self.bound - self.overlap
+            self._learning_why = ""
             plan.set_target(swapped)
             self._planned_for = None
             return
@@ -447,10 +461,9 @@ class AutoPolicy:
         if not followed and self._since_learnt >= _RELEARN:
             self.learning = True        # the sequence changed: learn it again
             self.why = "the sequence of saved tensors changed: learning it again"
-        elif followed and self.profile is not None and plan.recorded != self.profile.sizes:
-            self.learning = True        # it changed, and repeated: the profile is another's
-            self.why = ("the sequence of saved tensors changed and repeated: learning it "
-                        "again")
+        elif plan.repeated and self.profile is not None and plan.outgrew(self.profile.sizes):
+            self.learning = True        # it grew, and repeated: the profile is another's
+            self.why = ("the sequence of saved tensors grew and repeated: learning it again")
         if self.profile is None:
             plan.set_target(swapped)
             self._reactive = bound - self.overlap
