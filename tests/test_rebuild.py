@@ -407,7 +407,7 @@ def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
     assert engine.host.used_bytes == 0 and all(s.dead for s in engine._order)
 
 
-def _three_exact_steps_of_a_gelu_pair():
+def _three_exact_steps_of_a_gelu_pair(steps=3):
     """Three steps of a GELU pair on the simulated device with recompute on, each with the
     gradients of the run without LMS; returns the LMS."""
     lms = make_lms("sim", recompute=True)
@@ -415,7 +415,7 @@ def _three_exact_steps_of_a_gelu_pair():
     model = _GeluPair()
     x = torch.randn(32, 64)
     ref = _train(model, x)
-    for _ in range(3):
+    for _ in range(steps):
         assert_same(ref, _train(model, x, lms=lms))
     return lms
 
@@ -437,14 +437,31 @@ def test_a_rebuild_that_differs_is_caught_and_never_used(monkeypatch):
     assert "not rebuilt: gelu (did not rebuild bit for bit)" in lms.summary()
 
 
-def test_a_rebuild_slower_than_its_copies_is_refused_and_said(monkeypatch):
+def _timed_at(monkeypatch, timings_ms):
+    """Every rebuild timed at the next of ``timings_ms`` (the last one repeats)."""
+    left = list(timings_ms)
     monkeypatch.setattr(type(SimulatedDevice().new_event(timing=True)), "elapsed_time",
-                        lambda self, other: 5.0)          # ms: every rebuild timed at 5 ms
-    lms = _three_exact_steps_of_a_gelu_pair()
-    assert all(s["recipe_bytes"] == 0 for s in _steps(lms))
+                        lambda self, other: left.pop(0) if len(left) > 1 else left[0])
+
+
+def test_a_rebuild_slower_than_its_copies_is_refused_and_said(monkeypatch):
+    _timed_at(monkeypatch, [5.0])                       # ms: every rebuild
+    lms = _three_exact_steps_of_a_gelu_pair(steps=6)
+    steps = _steps(lms)
+    assert steps[-1]["recipe_bytes"] == 0 and steps[-2]["recipe_bytes"] == 0, steps
     why = lms.stats()["rebuild_refused"]["gelu"]
-    assert why.startswith("rebuilt in 5.000 ms, slower than its copies (0.0"), why
+    assert why.startswith("rebuilt in 5.000 ms at best of 3, slower than its copies (0.0"), why
     assert "not rebuilt: gelu (rebuilt in 5.000 ms" in lms.summary()
+
+
+def test_one_slow_timing_of_a_rebuild_does_not_refuse_it(monkeypatch):
+    """A rebuild's events time whatever ran beside it (backward's kernels, the first step's
+    copies): one slow reading among fast ones is not the rebuild's cost (on an H200 a 128 MiB
+    gelu once read 18.9 ms, and its refusal made an LM 30% slower for the rest of the run)."""
+    _timed_at(monkeypatch, [5.0, 0.001])
+    lms = _three_exact_steps_of_a_gelu_pair(steps=6)
+    assert "gelu" not in lms.stats()["rebuild_refused"], lms.stats()["rebuild_refused"]
+    assert _steps(lms)[-1]["recipe_bytes"] > 0, _steps(lms)
 
 
 def test_recompute_off_rebuilds_nothing_and_records_nothing():
