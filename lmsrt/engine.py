@@ -691,7 +691,8 @@ class SwapEngine:
         rec = self._rec
         ref = weakref.ref(storage) if rec is None else weakref.ref(storage, rec.on_free(index))
         self._use_delta += nbytes
-        self._release_finished()
+        if self._held:
+            self._release_finished()
         if self._deferred:
             self._settle_deferred()
         planned = self.plan.offload(index, nbytes)
@@ -705,7 +706,7 @@ class SwapEngine:
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
         # stay over the level once they are (else copies that lag forward would look like demand).
         recipe = None
-        if self.rebuilds is not None:
+        if self.rebuilds is not None and self.rebuilds.recipes:
             recipe = self.rebuilds.usable(t, self._available)
             if recipe is not None:
                 self._sigs[index] = recipe.signature
