@@ -1280,6 +1280,13 @@ class SwapEngine:
         so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order = self._order
         level = self.policy.fetch_to(self.plan, self._bwd_point)
+        if self._held:
+            # Sources whose copies still run when backward begins (forward ends faster than
+            # the last copies go out) are lmsrt's bytes that no prediction counts: backward's
+            # first transient (an LM's logits gradient) met them (an LM at 18 GiB, 2 runs in 5).
+            # Let them go by the level that leaves room for the peaks to come (Rule 2).
+            self._release_finished()
+            self._bound_held(self._gpu_use(0, level), level)
         if self._ahead and level and self.policy.auto and self.plan.mode == "plan":
             self._shed(level + (self.policy.headroom >> 1))
         while self._cursor >= 0:
