@@ -544,7 +544,7 @@ class Rebuilds:
     def _timed_once(self, sig: tuple, nbytes: int, took: float) -> None:
         """One timing of a trusted signature's rebuild of ``nbytes``: refused once the fastest
         of its first ``_SAMPLES`` is slower than its copies (see _SAMPLES)."""
-        fastest = self._fastest.setdefault(sig, [took, 0])
+        fastest = self._fastest.setdefault(sig, [float("inf"), 0])
         if fastest[1] >= _SAMPLES or sig not in self.trusted:
             return
         fastest[0], fastest[1] = min(fastest[0], took), fastest[1] + 1
