@@ -689,7 +689,7 @@ class SwapEngine:
         if nbytes > self._largest[0]:
             self._largest = (nbytes, index)
         rec = self._rec
-        ref = weakref.ref(storage) if rec is None else weakref.ref(storage, rec.on_free(index))
+        ref = weakref.ref(storage) if rec is None else rec.watch(storage, index)
         self._use_delta += nbytes
         if self._held:
             self._release_finished()

@@ -49,7 +49,9 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      learning step's own use is not quite a planned step's). A peak predicted over the bound is
      the model's own: nothing to correct. The headroom (room the allocator needs beside what
      is allocated) starts at limit/16; more than two allocator retries a step near the bound
-     raise it by limit/64; after four clean steps it gives back limit/128, down to limit/32.
+     raise it by limit/64, undone if the next step retries as often (those retries are the
+     model's own, and count no more); after four clean steps (none with a retry beyond the
+     model's own near the bound) it gives back limit/128, down to limit/32.
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
      follows the plan). A step whose sequence differs is reactive: where it differs by a
      smaller storage it swaps what passes the bound less the largest growth the profile saw;
@@ -73,6 +75,8 @@ while a peak inside backward does not fall by offloading more.
 """
 from __future__ import annotations
 
+import collections
+import weakref
 from typing import List, Optional
 
 from .plan import OffloadPlan
@@ -162,6 +166,12 @@ class FixedPolicy:
         return []
 
 
+class _Freed(weakref.ref):
+    """A profile's reference to saved storage ``index`` (``Profile.watch``)."""
+
+    __slots__ = ("index",)
+
+
 class Profile:
     """What a learning step measured, relative to GPU use when it began (NOTE [ Auto ], 1)."""
 
@@ -177,6 +187,7 @@ class Profile:
         # numbered through forward, then backward): the model held on to it after lmsrt let go.
         self.held: dict = {}
         self.closed = False
+        self._freed: collections.deque = collections.deque()   # _Freed refs, dead, unread
 
     def _point(self) -> int:
         return len(self.fwd_own) + len(self.bwd_own)
@@ -185,13 +196,28 @@ class Profile:
         if not self.closed:
             self.held[i] = (self._point(), None)
 
-    def on_free(self, i: int):
-        """A weakref callback for storage i: where it was freed closes its span in ``held``."""
-        def freed(_ref) -> None:
+    def watch(self, storage, i: int) -> "_Freed":
+        """A weak reference to storage i whose death closes its span in ``held`` at the point
+        where it happened. The callback is a deque's C ``append``: no Python frame runs while
+        autograd frees a graph, so a Ctrl-C cannot land in one and be lost (NOTE [ Interrupts
+        and versions ] in engine.py); the next point, or the close, reads the queue. The
+        caller keeps the reference (a dead one calls nothing)."""
+        ref = _Freed(storage, self._freed.append)
+        ref.index = i
+        return ref
+
+    def _read_freed(self) -> None:
+        freed, point = self._freed, self._point()
+        while freed:
+            i = freed.popleft().index
             span = self.held.get(i)
-            if span is not None and span[1] is None and not self.closed:
-                self.held[i] = (span[0], self._point())
-        return freed
+            if span is not None and span[1] is None:
+                self.held[i] = (span[0], point)
+
+    def close(self) -> None:
+        """Storages freed from here on tell it nothing."""
+        self._read_freed()
+        self.closed = True
 
     def kept_spans(self, k: int):
         """The points at which keeping storage k adds its bytes to what was learnt: from its
@@ -211,6 +237,8 @@ class Profile:
 
     def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
                nbytes: int = 0) -> None:
+        if self._freed:
+            self._read_freed()          # freed in the interval that ends here
         own = used - held_now
         own_peak = max(peak - held_before, own)
         if backward:
@@ -253,6 +281,11 @@ class AutoPolicy:
         self._recording: Optional[Profile] = None
         self._since_learnt = 0
         self._clean = 0
+        # Allocator retries a step that more headroom did not remove (the model's own: cuDNN
+        # asking for workspaces, say); and, after a raise for retries, (retries, headroom)
+        # before it, to tell next step whether it helped.
+        self._own_retries = 0
+        self._raised: Optional[tuple] = None
         self._base = 0
         self._cutoff = -1
         self._planned_for = None       # the budget the current plan was made for
@@ -393,7 +426,7 @@ class AutoPolicy:
             prof = self._recording
             self._recording = None
             if prof is not None:
-                prof.closed = True         # storages freed from here on tell it nothing
+                prof.close()
             self.learning = False
             self._since_learnt = 0
             if prof is not None and prof.sizes and len(prof.sizes) == len(plan.recorded):
@@ -413,6 +446,18 @@ class AutoPolicy:
         # A plan that predicted a peak over the bound moves all it can already: what is left is
         # the model's own, and neither more headroom nor more correction would change it.
         beyond = self.predicted_peak > bound
+        raised, self._raised = self._raised, None
+        if raised is not None and retries >= raised[0] and not failures:
+            # More headroom removed none of the retries: they are the model's own, and cost the
+            # same at any headroom (measured on a conv net at a 12 GiB cap: 4-5 a step at 0.75
+            # GiB of headroom and at 1.5, and at lms_frac 0.6 with 0.32 GiB; raised for them
+            # step after step, auto moved 5.9 GiB a step where 0.6 moves 3.1).
+            self._own_retries = retries
+            self.headroom = raised[1]
+            self.why = (f"{retries} allocator retries a step with more headroom as without: "
+                        f"the model's own; headroom back to {self.headroom / gib:.2f} GiB")
+            bound = self.bound
+        pressure = retries - self._own_retries      # retries that lmsrt's holdings may cause
         if failures and not beyond:
             # An allocation failed at the limit and its caller went on with less: the step
             # needed more than its peak shows (cuDNN asked for a workspace, then ran a slower
@@ -422,13 +467,14 @@ class AutoPolicy:
             self.why = (f"{failures} allocation(s) failed at the limit and were worked around "
                         f"(a library fell back to less memory): headroom raised to "
                         f"{self.headroom / gib:.2f} GiB")
-        elif retries > _RETRIES and peak > bound - self.headroom and not beyond:
+        elif pressure > _RETRIES and peak > bound - self.headroom and not beyond:
             # The allocator freed its cache to go on (a device sync) near the bound, more than
             # a couple of times: leave it more room. Retries far under the bound are the cache
             # filling up, not pressure lmsrt makes (measured: two a step at 14.3 GiB of an 18
             # GiB cap on an LM); two a step near it cost less than the bytes that more headroom
             # moves (measured on the LM at 18 GiB: 0.56 s a step at 1.1 GiB of headroom, 0.60 s
             # once two retries a step had raised it to 2 GiB, still with two).
+            self._raised = (retries, self.headroom)
             self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
             self._clean = 0
             self.why = (f"the allocator freed its cache {retries} time(s) to go on near the "
@@ -446,7 +492,14 @@ class AutoPolicy:
                 self.why = (f"the model's own peak, {peak / gib:.2f} GiB, is over the bound: "
                             "every eligible storage moves")
         elif followed:
-            self._clean += 1
+            # A step whose allocator had to free its cache near the bound is not clean, even
+            # once: the room it needed beside what is allocated (blocks split by the step's
+            # frees, partly used pages of expandable segments) is about all the headroom there
+            # is. Measured on a GPT at a 10 GiB cap: one retry a step at 0.62 GiB of headroom,
+            # and out of memory (0.43 GiB reserved, not allocated) once steps with one retry
+            # had given it back to 0.39.
+            pressed = pressure > 0 and peak > bound - self.headroom
+            self._clean = 0 if pressed else self._clean + 1
             room = bound - peak
             if room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2):
                 # Predicted high (the learning step's own use is not quite a planned step's):

@@ -292,12 +292,12 @@ class Recorder(TorchDispatchMode):
     before their op runs, so it is known here; the engine may have let the input's storage go
     by the time the op's output is saved)."""
 
-    def __init__(self, recipes: Optional[dict] = None,
+    def __init__(self, recipes: Optional[RecipeTable] = None,
                  entry_of: Callable[[torch.Tensor], object] = lambda t: None,
                  holding: Callable[[], bool] = lambda: False,
                  noting: Callable[[], bool] = lambda: True):
         super().__init__()
-        self._recipes: Dict[int, tuple] = {} if recipes is None else recipes
+        self._recipes = RecipeTable() if recipes is None else recipes
         self._entry_of = entry_of
         self._holding = holding      # whether new recipes hold their inputs (``Recipe.hold``)
         self._noting = noting        # whether to note recipes at all (the step may rebuild)
@@ -347,9 +347,7 @@ class Recorder(TorchDispatchMode):
     def _note(self, made: torch.Tensor, recipe: Recipe) -> None:
         if self._holding():
             recipe.hold()
-        storage = made.untyped_storage()
-        key = id(storage)
-        self._recipes[key] = (weakref.ref(storage, _forget(self._recipes, key)), recipe)
+        self._recipes.note(made.untyped_storage(), recipe)
 
     def _input(self, t: torch.Tensor) -> _Input:
         made_by = None if isinstance(t, torch.nn.Parameter) else self.recipe_for(t)
@@ -366,6 +364,7 @@ class Recorder(TorchDispatchMode):
         return recipe if recipe.fits(t) else None
 
     def __len__(self) -> int:
+        self._recipes.sweep()
         return len(self._recipes)
 
 
@@ -409,10 +408,37 @@ def _whole(t) -> bool:
             and t.storage_offset() == 0)
 
 
-def _forget(recipes: dict, key: int):
-    def gone(_ref) -> None:
-        recipes.pop(key, None)
-    return gone
+class _Key(weakref.ref):
+    """A recipe table's reference to an output storage, which knows its key."""
+
+    __slots__ = ("key",)
+
+
+class RecipeTable(dict):
+    """Recipes by output storage: ``id(storage) -> (_Key, Recipe)``, for the recorders of all
+    threads. A storage's death queues its reference by a deque's C ``append``: no Python frame
+    runs while autograd frees a graph, so a Ctrl-C cannot land in one and be lost as an
+    "Exception ignored" (NOTE [ Interrupts and versions ] in engine.py). ``note`` and ``sweep``
+    drop the dead entries later; until then a lookup tells a dead one by its reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._dead: collections.deque = collections.deque()
+
+    def note(self, storage, recipe: "Recipe") -> None:
+        self.sweep()
+        ref = _Key(storage, self._dead.append)
+        ref.key = key = id(storage)
+        self[key] = (ref, recipe)
+
+    def sweep(self) -> None:
+        """Drop the entries of storages freed since (one atomic pop each: threads share it)."""
+        dead = self._dead
+        while dead:
+            ref = dead.popleft()
+            found = self.get(ref.key)
+            if found is not None and found[0] is ref:    # not a new storage at the same id
+                self.pop(ref.key, None)
 
 
 # A rebuild is worth it while it takes less GPU time than the two copies it saves (out in
@@ -446,7 +472,7 @@ class Rebuilds:
 
     def __init__(self, device, entry_of: Callable[[torch.Tensor], object]):
         self.device = device
-        self.recipes: Dict[int, tuple] = {}
+        self.recipes = RecipeTable()
         self.entry_of = entry_of
         self.trusted: set = set()
         self.refused: Dict[tuple, str] = {}      # signature -> why it is not rebuilt
@@ -489,6 +515,7 @@ class Rebuilds:
             if found is not None and found[1].held is not None:
                 found[1].let_go()
             return
+        self.recipes.sweep()
         for _, recipe in list(self.recipes.values()):
             if recipe.held is not None:
                 recipe.let_go()

@@ -265,14 +265,21 @@ def test_interrupt_in_forward_loses_nothing(kind, monkeypatch, where, name, at):
     _check_interrupted_forward(kind, monkeypatch, where, name, at)
 
 
-def test_no_python_runs_when_autograd_drops_a_handle():
+@pytest.mark.parametrize("lms_frac", [0.0, "auto"])
+def test_no_python_runs_when_autograd_drops_a_handle(lms_frac):
     """A handle's death must not run Python (where an interrupt would be swallowed as
-    "Exception ignored in __del__"): handles have no __del__, and their watches call a C
-    function."""
+    "Exception ignored in __del__", and training go on after a Ctrl-C): handles have no
+    __del__, and their watches, the recipe table's references (tanh's output has a recipe) and
+    those of the learning step's profile (auto's first step) call a C function."""
     assert not hasattr(engine_module._SwapRef, "__del__")
-    lms = make_lms("sim")
+    lms = make_lms("sim", lms_frac=lms_frac)
+    w = torch.randn(64, 64, requires_grad=True)
     with lms:
-        y = torch.randn(64, 64, requires_grad=True).exp().sum()
+        h = (torch.randn(64, 64) @ w).tanh()       # held by the caller too: its storage lives on
+        y = h.exp().sum()
+    assert len(lms._engine.rebuilds.recipes) >= 1
+    if lms_frac == "auto":
+        assert lms._engine.policy.learning
     calls = []
 
     def tracer(frame, event, arg):
@@ -280,7 +287,7 @@ def test_no_python_runs_when_autograd_drops_a_handle():
             calls.append(frame.f_code.co_name)
     sys.setprofile(tracer)
     try:
-        del y
+        del y, h
     finally:
         sys.setprofile(None)
     assert not calls, calls

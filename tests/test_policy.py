@@ -224,9 +224,40 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     raised = policy.headroom
     assert raised > limit >> 4
     policy.correction = -(limit >> 2)           # nothing left to take from the correction
+    # Steps near the bound with one retry each are not clean: the headroom stays.
+    for _ in range(40):
+        policy.finish_step(plan, peak=policy.bound - 1, **dict(followed, retries=1))
+    assert policy.headroom == raised
     for _ in range(40):
         policy.finish_step(plan, peak=0, **followed)
     assert policy.headroom == policy.floor < raised
+
+
+def test_retries_that_more_headroom_does_not_remove_are_the_models_own():
+    """A conv net's allocator retries 4-5 times a step whatever the headroom (cuDNN asking for
+    workspaces): a raise for them is undone when the next step retries as often, and from then
+    on only retries beyond those count, for raising it and against giving it back."""
+    limit = 1 << 30
+    policy = AutoPolicy(limit=limit, window=1 << 30)
+    policy.learning = False
+    plan = OffloadPlan()
+    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    start = policy.headroom
+    policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
+    assert policy.headroom > start                       # raised once
+    policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
+    assert policy.headroom == start and "model's own" in policy.why
+    for _ in range(8):                                   # as many again: no raise, clean steps
+        policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
+    given_back = policy.headroom
+    assert given_back < start
+    for _ in range(8):                                   # one beyond them: not clean
+        policy.finish_step(plan, peak=policy.bound - 1, retries=6, **near)
+    assert policy.headroom == given_back
+    policy.finish_step(plan, peak=policy.bound - 1, retries=8, **near)
+    assert policy.headroom > given_back                  # three beyond them: raised
+    policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
+    assert policy.headroom > given_back                  # and it helped: kept
 
 
 def test_a_storage_the_model_holds_anyway_costs_nothing_to_keep_while_it_does():
