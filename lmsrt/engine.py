@@ -42,7 +42,8 @@ A KeyboardInterrupt can arrive between any two Python calls, also inside engine 
 autograd frees graphs wherever it likes. So: (a) nothing runs Python when autograd drops a
 handle: each handle is watched by a weak reference whose callback is a deque's C ``append``,
 and ``_reap`` does the bookkeeping later, under the lock; a ``__del__`` would swallow an
-interrupt that lands in it. (b) Every change of engine state is made so that an interrupt
+interrupt that lands in it. The recipe table's and a learning profile's weak references to
+storages queue themselves the same way (``RecipeTable``, ``Profile.watch``). (b) Every change of engine state is made so that an interrupt
 leaves either the old state or the new one: a restored block is marked only after its copy is
 queued, a storage's handle count is the size of a set of watches (added and removed in one
 step), a release is idempotent and retried, and storages no handle ever reached are released

@@ -434,6 +434,7 @@ class AutoPolicy:
                 self.profile = prof
                 self.correction = 0        # what another profile mispredicted tells nothing
                 self._own_retries = 0      # nor the retries another batch made
+                self._raised = None
                 why = f" ({self._learning_why})" if self._learning_why else ""
                 self.why = f"learnt the model's own use{why}; planning from the next step"
             elif self.profile is None:
