@@ -34,7 +34,7 @@ for i in range(steps):
     o0, r0 = ms(); torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter(); work.step(ctx, marks); torch.cuda.synchronize(); dt = time.perf_counter() - t
     o1, r1 = ms()
-    if trace and i in (1, 2):
+    if trace and i in (0, 1):
         n = len(pol.profile.sizes) if pol.profile else 0
         print("  trace (phase point alloc-MiB pred-MiB ooms):", " ".join(f"{ph}{pt}:{a/MiB:.0f}/{((pol._base + pol.predicted[pt + (n if ph == 'b' else 0)])/MiB if getattr(pol, "predicted", None) and pt + (n if ph == 'b' else 0) < len(pol.predicted) else 0):.0f}/{oo-o0}" for ph, pt, a, oo in trace))
     trace.clear(); seen.clear() if trace is not None and pol is not None and pol.auto else None
