@@ -15,7 +15,7 @@ import contextlib
 ctx = lms or contextlib.nullcontext()
 pol = lms._engine.policy if lms else None
 trace = []
-if pol is not None and pol.auto:
+if pol is not None:
     oh, of = pol.hold_to, pol.fetch_to
     seen = set()
     def hold_to(plan, i):
@@ -24,7 +24,7 @@ if pol is not None and pol.auto:
         return oh(plan, i)
     def fetch_to(plan, j):
         if ("b", j) not in seen:
-            seen.add(("b", j)); st = torch.cuda.memory_stats(); trace.append(("b", j, st["allocated_bytes.all.current"] - lms._engine._ahead, st.get("num_ooms", 0)))
+            seen.add(("b", j)); st = torch.cuda.memory_stats(); trace.append(("b", j, st["allocated_bytes.all.current"], st.get("num_ooms", 0)))
         return of(plan, j)
     pol.hold_to, pol.fetch_to = hold_to, fetch_to
 def ms():
@@ -35,9 +35,9 @@ for i in range(steps):
     t = time.perf_counter(); work.step(ctx, marks); torch.cuda.synchronize(); dt = time.perf_counter() - t
     o1, r1 = ms()
     if trace and i in (0, 1):
-        n = len(pol.profile.sizes) if pol.profile else 0
-        print("  trace (phase point alloc-MiB pred-MiB ooms):", " ".join(f"{ph}{pt}:{a/MiB:.0f}/{((pol._base + pol.predicted[pt + (n if ph == 'b' else 0)])/MiB if getattr(pol, "predicted", None) and pt + (n if ph == 'b' else 0) < len(pol.predicted) else 0):.0f}/{oo-o0}" for ph, pt, a, oo in trace))
-    trace.clear(); seen.clear() if trace is not None and pol is not None and pol.auto else None
+        n = len(pol.profile.sizes) if getattr(pol, 'profile', None) else 0
+        print("  trace (phase point alloc-MiB pred-MiB ooms):", " ".join(f"{ph}{pt}:{a/MiB:.0f}/{((getattr(pol, '_base', 0) + pol.predicted[pt + (n if ph == 'b' else 0)])/MiB if getattr(pol, "predicted", None) and pt + (n if ph == 'b' else 0) < len(pol.predicted) else 0):.0f}/{oo-o0}" for ph, pt, a, oo in trace))
+    trace.clear(); seen.clear() if trace is not None and pol is not None else None
     line = f"step {i+1}: {dt:.3f}s fwd {marks[0].elapsed_time(marks[1])/1e3:.3f} bwd {marks[1].elapsed_time(marks[2])/1e3:.3f} ooms {o1-o0} retries {r1-r0} peak {torch.cuda.max_memory_allocated()/GiB:.2f} reserved {torch.cuda.memory_reserved()/GiB:.2f}"
     if lms:
         last = lms.stats()["last_step"]
