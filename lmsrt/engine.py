@@ -1273,14 +1273,20 @@ class SwapEngine:
         order, while the restored-but-unused bytes stay within ``window`` and GPU use stays under
         the policy's level (``fetch_to``). Backward uses saved data faster than H2D brings it back
         (~145 vs ~55 GB/s on a GPT stack), so fetching starts as soon as memory allows, not when
-        the data is near. At a level of 0 (``lms_frac=0``, a learning step) one storage is still
-        fetched ahead, so that a copy overlaps compute; above 0 the level holds strictly, since
-        in plan mode the next swapped storage is needed only late in backward and fetching it
-        early would land on the peak.
+        the data is near. At a level of 0 (``lms_frac=0``) one storage is still fetched ahead,
+        so that a copy overlaps compute; above 0 the level holds strictly, since in plan mode the
+        next swapped storage is needed only late in backward and fetching it early would land on
+        the peak. A learning step (auto's level of 0) fetches that one ahead only while GPU use
+        with it stays under a quarter of the limit: it cannot know the model's transients yet,
+        and one that fails for lmsrt's copy is not a one-off. cuDNN then runs the next algorithm
+        whose workspace fits and keeps it for the run (a segmentation net at 8 GiB on an H200:
+        the 384 MiB copy ahead made a 3 GiB backward workspace fail, and every later step's
+        backward took 1.5 s instead of 0.33 s).
         Backward does not walk the save order strictly downwards (inside a block it jumps about),
         so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order = self._order
         level = self.policy.fetch_to(self.plan, self._bwd_point)
+        learning = not level and self.policy.auto
         if self._held:
             # Sources whose copies still run when backward begins (forward ends faster than
             # the last copies go out) are lmsrt's bytes that no prediction counts: backward's
@@ -1298,6 +1304,9 @@ class SwapEngine:
                 continue
             if (self._ahead or level) and (self._ahead + s.nbytes > self.window
                                            or self._gpu_use(s.nbytes, level) + s.nbytes > level):
+                break
+            if learning and self._gpu_use(s.nbytes, self.limit >> _DEFER_SHIFT) + s.nbytes > (
+                    self.limit >> _DEFER_SHIFT):
                 break
             try:
                 self._fetch(s)
