@@ -24,7 +24,8 @@ workspaces, fp32 upcasts, a vocabulary-sized logits tensor and its gradient, gra
 temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is not flat").
 
   1. Learn. The first step swaps every eligible storage and holds the least (the overlap rule,
-     one storage fetched ahead), and at every point reads GPU use and the peak since the last
+     one storage fetched ahead while use stays under a quarter of the limit: SwapEngine._advance),
+     and at every point reads GPU use and the peak since the last
      point. Less what lmsrt held then (sources in flight, restored copies not yet used), that is
      the model's own use at the point and its peak in the interval before it, relative to use
      when the step began: a ``Profile``. It also notes at which backward point each storage was
