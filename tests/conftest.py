@@ -1,4 +1,13 @@
 import os
+import signal
+
+# A suite started in the background of a non-interactive shell (`pytest ... &`, as CI harnesses
+# may) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it: the tests
+# that send Ctrl-C to the processes they start (tests/scripts/sigint_runs.py and
+# interrupted_steps.py, `lmsrt tune`) would hang or fail. Handling it here makes every process
+# the tests start begin with SIGINT's default, whatever started the suite.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Bit-exact comparisons on CUDA need deterministic kernels; cuBLAS reads this at initialisation.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
