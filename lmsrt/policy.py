@@ -24,16 +24,16 @@ workspaces, fp32 upcasts, a vocabulary-sized logits tensor and its gradient, gra
 temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is not flat").
 
   1. Learn. The first step swaps every eligible storage and holds the least (the overlap rule,
-     one storage fetched ahead while use stays under a quarter of the limit: SwapEngine._advance),
-     and at every point reads GPU use and the peak since the last
-     point. Less what lmsrt held then (sources in flight, restored copies not yet used), that is
-     the model's own use at the point and its peak in the interval before it, relative to use
-     when the step began: a ``Profile``. It also notes at which backward point each storage was
-     used for the last time, and for a storage that the model itself holds on to after
-     lmsrt let it go (a logits tensor the loss still reads), from which point to which it
-     counted as the model's own. A swap in a learning step waits for a pin under way: a tensor
-     left on the GPU would count as the model's own, and in the run's first step it would take
-     memory from cuDNN's choice of algorithms (``FixedPolicy.swap_at``).
+     one storage fetched ahead while use stays under a quarter of the limit:
+     SwapEngine._advance), and at every point reads GPU use and the peak since the last point.
+     Less what lmsrt held then (sources in flight, restored copies not yet used), that is the
+     model's own use at the point and its peak in the interval before it, relative to use when
+     the step began: a ``Profile``. It also notes at which backward point each storage was used
+     for the last time, and for a storage that the model itself holds on to after lmsrt let it
+     go (a logits tensor the loss still reads), from which point to which it counted as the
+     model's own. A swap in a learning step waits for a pin under way: a tensor left on the GPU
+     would count as the model's own, and in the run's first step it would take memory from
+     cuDNN's choice of algorithms (``FixedPolicy.swap_at``).
   2. Plan. A storage the plan keeps on the GPU occupies its bytes from its save to its last use
      in backward. The predicted peak of each interval is the model's own peak there plus the
      kept storages alive then; it must stay under the bound, the limit less the headroom,
