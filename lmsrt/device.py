@@ -213,6 +213,7 @@ class CudaDevice:
         self.torch_device = torch.device("cuda", self.index)
         self.name = torch.cuda.get_device_name(self.index)
         self.copy_path = copy_path.load()     # the engine's C++ copy calls, or None
+        self.native_hooks = self.copy_path    # and its C++ saved-tensor hooks (the same module)
         if self.copy_path is not None:
             self.memory_allocated = functools.partial(self.copy_path.memory_allocated, self.index)
         _keep_peaks_across_resets()
@@ -382,6 +383,7 @@ class SimulatedDevice:
     kind = "sim"
     index = 0
     copy_path = None
+    native_hooks = None          # a test may set lmsrt.copy_path's module here (CPU-built)
     torch_device = torch.device("cpu")
     name = "simulated"
 

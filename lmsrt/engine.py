@@ -103,6 +103,7 @@ import collections
 import sys
 import threading
 import weakref
+from _thread import get_ident as _get_ident
 from typing import List, Optional
 
 import torch
@@ -223,11 +224,22 @@ def _producer(fn, t: torch.Tensor):
     return None if fn is None else (fn.name(), t.output_nr)
 
 
+def _kept_ref(t: torch.Tensor, thread: int) -> _KeptRef:
+    """The handle of a saved tensor that stays on the GPU. Never one that holds a tensor with
+    a grad_fn: a saved output would point back at its own node. detach() shares the version
+    counter, which unpack checks. (Called for most saved tensors: kept lean.)"""
+    fn = t.grad_fn
+    if fn is None:
+        return _KeptRef(t, t._version, None, thread)
+    return _KeptRef(t.detach(), t._version, (fn.name(), t.output_nr), thread)
+
+
 def pop_own_hooks(engine: Optional["SwapEngine"] = None):
     """Pop this thread's innermost saved-tensor hooks if they are ``engine``'s (any lmsrt
     engine's when None); return the pair popped, or None if they are someone else's."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     owner = None if top is None else getattr(top[0], "__self__", None)
+    owner = getattr(owner, "engine", owner)         # C++ hooks (native_hooks) name theirs
     if owner is engine if engine is not None else isinstance(owner, SwapEngine):
         torch._C._autograd._pop_saved_tensors_default_hooks()
         return top
@@ -403,6 +415,9 @@ class SwapEngine:
         self._use_delta = 0            # bytes lmsrt added (+) or released (-) since that reading
         self._use_age = self._exact_every   # estimates given since that reading
         self._largest = (0, 0)         # (bytes, save index) of this forward's largest storage
+        self._keeps_all = False        # this step's plan keeps everything (set at its first save)
+        self._keeper = None            # weak reference to the C++ hooks (native_hooks), if any
+        self._armed = False            # they decide this step's packs (NOTE [ Steps that ... ])
         self._retries_before = 0       # the allocator's retry count when this step began
         self._failures_before = 0      # and its count of failed allocations
         self.diagnostics = Diagnostics()   # one-time warnings, out-of-memory text
@@ -450,6 +465,10 @@ class SwapEngine:
             if self.step.step:
                 self._finish_step()
             self._base = None
+            self._keeps_all = False
+            keeper = self._keeper and self._keeper()
+            if keeper is not None:
+                keeper.backward(False)    # unpacks go to Python until forward ends
             self._step_peak = 0
             self._deferred_kept = 0       # deferred swaps that forward ended without
             self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
@@ -492,6 +511,9 @@ class SwapEngine:
             self.device.reset_peak()
             self._rec_hold = self._hold()
         step.plan_target_bytes = plan.target if plan.planned else 0
+        rebuilds = self.rebuilds
+        self._keeps_all = (plan.planned and plan.target == 0 and self._rec is None
+                           and (rebuilds is None or not (rebuilds.noting or rebuilds.holding)))
         step.bound_bytes = self.mark
         for name, value in policy.step_figures().items():
             setattr(step, name, value)
@@ -512,6 +534,8 @@ class SwapEngine:
             if not self._forward_open:
                 return
             self._forward_open = False
+            if self._armed:
+                self._absorb(entries=False)
             if self.rebuilds is not None and self.rebuilds.holding:
                 self.rebuilds.holding = False
                 self.rebuilds.let_go()
@@ -523,6 +547,10 @@ class SwapEngine:
             self._by_ptr.clear()
             self._cursor = len(self._order) - 1
             self._bwd_point = 0
+            keeper = self._keeper and self._keeper()
+            if keeper is not None:
+                # Nothing to prefetch or record: kept handles need no Python in backward.
+                keeper.backward(self._cursor < 0 and self._rec is None)
 
     def _finish_step(self) -> None:
         s = self.step
@@ -572,6 +600,9 @@ class SwapEngine:
     def current_step(self) -> StepStats:
         """The step in flight, with its peaks read now."""
         s = self.step
+        if self._armed:
+            with self._lock:
+                self._absorb(entries=True)
         if s.step:
             s.mode = self.plan.mode
             s.gpu_peak_bytes = self.device.peak_allocated()
@@ -598,7 +629,7 @@ class SwapEngine:
     # -- forward: pack -----------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor):
-        thread = threading.get_ident()
+        thread = _get_ident()
         if self._after_backward and thread in self._after_backward \
                 and torch._C._current_graph_task_id() == -1:
             # One `with lms:` around a whole loop (or `lmsrt run`): a forward that follows a
@@ -610,7 +641,7 @@ class SwapEngine:
         storage = self._eligible_storage(t)
         if storage is None:
             self.step.skipped_tensors += 1
-            return self._keep(t, thread)
+            return _kept_ref(t, thread)
         with self._lock:
             if self._dead:
                 self._reap()
@@ -620,17 +651,10 @@ class SwapEngine:
                     or entry.dead):                 # released: its handles all died meanwhile
                 entry = self._new_storage(t, storage, version)
             elif type(entry) is _Storage and entry.stream_key != self.device.stream_key():
-                return self._keep(t, thread)                 # Rule 9
+                return _kept_ref(t, thread)                 # Rule 9
             if type(entry) is _Kept:
-                return self._keep(t, thread)
+                return _kept_ref(t, thread)
             return self._handle(entry, t, thread)
-
-    @staticmethod
-    def _keep(t: torch.Tensor, thread: int) -> _KeptRef:
-        # Never hold a tensor with a grad_fn: a saved output would point back at its own node.
-        # detach() shares the version counter, which unpack checks.
-        fn = t.grad_fn
-        return _KeptRef(t if fn is None else t.detach(), t._version, _producer(fn, t), thread)
 
     def _handle(self, s: _Storage, t: torch.Tensor, thread: int) -> _SwapRef:
         """A handle for autograd, counted in ``s.watches`` in one step (NOTE [ Interrupts and
@@ -670,33 +694,118 @@ class SwapEngine:
         nbytes = storage.nbytes()
         index = self._index
         self._index += 1
-        if "compile" not in self.diagnostics.given:
+        if self._base is None:
+            self._begin_plan(nbytes)
+        if not self._keeps_all and "compile" not in self.diagnostics.given:
+            # (A step that keeps everything has nothing to warn about.)
             caller = sys._getframe(1).f_back       # what called pack; None on autograd's threads
+            if caller is not None and caller.f_code is _TAKE_OVER:
+                caller = caller.f_back             # through the C++ hooks
             if caller is not None and caller.f_code is _FUNCTION_APPLY:
                 self.diagnostics.compiled_region(caller.f_back)
         self.device.note_saved(storage)
-        if self._base is None:
-            self._begin_plan(nbytes)
         if self._rec is not None:
             self._record(False, nbytes)
             try:
                 return self._decide(t, storage, version, nbytes, index)
             finally:
                 self._recorded()
-        return self._decide(t, storage, version, nbytes, index)
+        entry = self._decide(t, storage, version, nbytes, index)
+        if self._keeps_all and self._keeper is not None and not self._armed:
+            self._arm()
+        return entry
+
+    # -- C++ hooks for steps that keep everything ---------------------------------------------
+
+    def native_hooks(self):
+        """C++ saved-tensor hooks for this engine (csrc/copy_path.cpp, ``Keeper``), or None
+        where the copy path is not built. NOTE [ Steps that keep everything ]. They hold the
+        engine; it holds them weakly, so the caller (the LMS) must keep them."""
+        module = getattr(self.device, "native_hooks", None)
+        if module is None or not hasattr(module, "Keeper"):
+            return None
+        device = self.device
+        simulated = device.kind == "sim"
+        keeper = module.Keeper(device.torch_device, self.min_bytes, self._take_over, self.unpack,
+                               self._after_backward,
+                               device.memory_allocated if simulated else None,
+                               device.note_saved if simulated else None)
+        self._keeper = weakref.ref(keeper)
+        return keeper
+
+    def _take_over(self, t: torch.Tensor):
+        """The C++ pack's way into the Python one: what it counted first becomes the engine's."""
+        if self._armed:
+            with self._lock:
+                if self._armed:
+                    self._absorb(entries=True)
+        return self.pack(t)
+
+    def _arm(self) -> None:
+        keeper = self._keeper()
+        if keeper is None or self._held or self._deferred:
+            return
+        plan, policy = self.plan, self.policy
+        sizes = plan.sequence
+        keeper.arm(sizes, policy.swap_levels(plan, len(sizes)), list(plan.live), self._index)
+        self._armed = True
+
+    def _absorb(self, entries: bool) -> None:
+        """Take over what the C++ hooks decided since they were armed (``entries``: the storages
+        they kept, for the rest of this forward), and disarm them for the rest of the step."""
+        self._armed = self._keeps_all = False
+        index, recorded, kept, counts, largest = self._keeper().take(entries)
+        self._index = index
+        self.plan.current.extend(recorded)
+        for storage, version in kept:
+            self._by_ptr[storage.data_ptr()] = _Kept(weakref.ref(storage), version)
+        s = self.step
+        kept_bytes, kept_tensors, live_bytes, live_tensors, skipped = counts
+        s.kept_bytes += kept_bytes
+        s.kept_tensors += kept_tensors
+        s.live_bytes += live_bytes
+        s.live_tensors += live_tensors
+        s.skipped_tensors += skipped
+        self._use_delta += kept_bytes + live_bytes
+        self._use_age = self._exact_every      # the next decision reads GPU use afresh
+        if largest[0] > self._largest[0]:
+            self._largest = tuple(largest)
 
     def _decide(self, t: torch.Tensor, storage, version: int, nbytes: int, index: int):
         """Swap, keep, or keep as alive anyway, the storage saved at forward point ``index``."""
         if nbytes > self._largest[0]:
             self._largest = (nbytes, index)
+        self._use_delta += nbytes
+        plan = self.plan
+        if self._keeps_all and not self._held and not self._deferred:
+            # NOTE [ Steps that keep everything ]
+            ref = weakref.ref(storage)
+            plan.offload(index, nbytes)                 # records it; offloads nothing
+            if plan.matched:
+                level = self.policy.swap_at(plan, index)
+                if self._gpu_use(nbytes, level) - self._held_bytes <= level:
+                    step = self.step
+                    if index in plan.live:
+                        step.live_bytes += nbytes
+                        step.live_tensors += 1
+                    else:
+                        step.kept_bytes += nbytes
+                        step.kept_tensors += 1
+                    entry = self._by_ptr[storage.data_ptr()] = _Kept(ref, version)
+                    return entry
+            return self._choose(t, storage, version, nbytes, index, ref, False)
         rec = self._rec
         ref = weakref.ref(storage) if rec is None else rec.watch(storage, index)
-        self._use_delta += nbytes
         if self._held:
             self._release_finished()
         if self._deferred:
             self._settle_deferred()
-        planned = self.plan.offload(index, nbytes)
+        return self._choose(t, storage, version, nbytes, index, ref, plan.offload(index, nbytes))
+
+    def _choose(self, t: torch.Tensor, storage, version: int, nbytes: int, index: int, ref,
+                planned: bool):
+        """``_decide`` for a storage already recorded in the plan (``planned``: whether the
+        plan offloads it)."""
         if self.plan.lives_on(index):
             # Last step's copy of this storage freed nothing: something else kept it alive
             # through backward (an input batch, a buffer, a frozen weight held as a tensor).
@@ -1061,6 +1170,9 @@ class SwapEngine:
 
     def _unpack(self, ref):
         kind = type(ref)
+        if kind is tuple:                       # the C++ hooks' handle (native_hooks)
+            ref = _KeptRef(ref[0], ref[1], None if ref[2] is None else (ref[2], ref[3]), ref[4])
+            kind = _KeptRef
         if kind is _KeptRef:
             self._after_backward.add(ref.thread)
             t = ref.tensor
@@ -1430,3 +1542,6 @@ class SwapEngine:
             allocated=device.memory_allocated(),
             peak=max(device.peak_allocated(), self._step_peak), limit=self.limit,
             largest=self._largest, host_refused=self.host.refused)
+
+
+_TAKE_OVER = SwapEngine._take_over.__code__

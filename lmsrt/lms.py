@@ -174,6 +174,7 @@ class LMS:
         self.config = config
         self._device = resolve_device(device if device is not None else config.device)
         self._engine: Optional[SwapEngine] = None
+        self._hooks = None
         self._active = threading.local()
         if self._device is None:
             if config.enabled:
@@ -182,6 +183,8 @@ class LMS:
             _say_native_once()
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
+            # C++ hooks where the copy path is built (the engine holds them weakly).
+            self._hooks = self._engine.native_hooks()
 
     @classmethod
     def from_env(cls, **overrides) -> "LMS":
@@ -230,7 +233,8 @@ class LMS:
         engine.begin_forward()
         if engine._stale_hooks:
             engine._pop_stale_hooks(threading.get_ident())
-        torch._C._autograd._push_saved_tensors_default_hooks(engine.pack, engine.unpack)
+        hooks = engine if self._hooks is None else self._hooks
+        torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
         self._active.hooks = True
         if engine.rebuilds is not None and engine.rebuilds.noting:
             # Records how cheap ops made their outputs (engine.py, NOTE [ Rebuilt storages ]).

@@ -135,6 +135,10 @@ class FixedPolicy:
     def hold_to(self, plan: OffloadPlan, i: int) -> int:
         return self.mark
 
+    def swap_levels(self, plan: OffloadPlan, n: int) -> List[int]:
+        """``swap_at`` of points 0 to n - 1, in one call."""
+        return [self.swap_at(plan, 0)] * n
+
     def fetch_to(self, plan: OffloadPlan, j: int) -> int:
         return self.mark
 
@@ -326,6 +330,16 @@ class AutoPolicy:
         if plan.mode == "plan" and i < len(self._swap):
             return self._base + self._swap[i]
         return self._reactive
+
+    def swap_levels(self, plan: OffloadPlan, n: int) -> List[int]:
+        """``swap_at`` of points 0 to n - 1, in one call."""
+        if self.learning or plan.grown:
+            return [0] * n
+        if plan.mode != "plan":
+            return [self._reactive] * n
+        base = self._base
+        levels = [base + x for x in self._swap[:n]]
+        return levels + [self._reactive] * (n - len(levels))
 
     def hold_to(self, plan: OffloadPlan, i: int) -> int:
         if self.learning or plan.grown:
