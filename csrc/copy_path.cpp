@@ -22,6 +22,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -130,6 +131,13 @@ int64_t memory_allocated(c10::DeviceIndex index) {
       ->getDeviceStats(index)
       .allocated_bytes[kAggregate]
       .current;
+}
+
+// The allocator's counters that the engine reads at each step's start and end: (peak allocated
+// bytes, allocation retries, failed allocations), without the stats dictionary (~50 us a read).
+std::tuple<int64_t, int64_t, int64_t> allocator_counts(c10::DeviceIndex index) {
+  const auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(index);
+  return {stats.allocated_bytes[kAggregate].peak, stats.num_alloc_retries, stats.num_ooms};
 }
 
 // ---- Saved-tensor hooks for a step that keeps everything (lmsrt/engine.py, NOTE [ Steps that
@@ -371,6 +379,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_in", &copy_in, "H2D copy into a block, after the compute stream's work");
   m.def("view", &view, "a dtype/shape/stride/offset view of a block's storage");
   m.def("memory_allocated", &memory_allocated, "the allocator's current allocated bytes");
+  m.def("allocator_counts", &allocator_counts,
+        "the allocator's (peak allocated bytes, allocation retries, failed allocations)");
   py::class_<Keeper>(m, "Keeper")
       .def(py::init<const at::Device&, int64_t, py::object, py::object, py::object, py::object,
                     py::object>())

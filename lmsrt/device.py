@@ -250,20 +250,28 @@ class CudaDevice:
         # torch.cuda.memory_allocated() flattens the whole stats dict (~100 us); this is ~20 us.
         return torch._C._cuda_memoryStats(self.index)["allocated_bytes"]["all"]["current"]
 
+    def _counts(self) -> tuple:
+        """(peak allocated bytes, allocation retries, failed allocations) of the allocator."""
+        if self.copy_path is not None:
+            return self.copy_path.allocator_counts(self.index)
+        stats = torch._C._cuda_memoryStats(self.index)
+        return (stats["allocated_bytes"]["all"]["peak"], stats["num_alloc_retries"],
+                stats["num_ooms"])
+
     def alloc_retries(self) -> int:
         """How often the caching allocator has had to free its cache and retry (a device sync)."""
-        return torch._C._cuda_memoryStats(self.index)["num_alloc_retries"]
+        return self._counts()[1]
 
     def alloc_failures(self) -> int:
         """How many allocations have failed at the limit, counting those whose out-of-memory
         error the caller caught: cuDNN does, and then runs a convolution with a smaller workspace
         (a slower algorithm, which it keeps for the run)."""
-        return torch._C._cuda_memoryStats(self.index)["num_ooms"]
+        return self._counts()[2]
 
     def peak_allocated(self) -> int:
         """Peak allocated bytes since the last ``reset_peak``, even if the script reset torch's
         counter in between."""
-        return max(_allocated_peak(self.index), _cleared_peaks.get(self.index, 0))
+        return max(self._counts()[0], _cleared_peaks.get(self.index, 0))
 
     def reset_peak(self) -> None:
         _torch_reset_peak(self.index)

@@ -200,3 +200,33 @@ def test_a_dropped_lms_is_freed_at_once(native):
         assert engine() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.cuda
+def test_cuda_a_model_that_fits_trains_exactly_through_the_cpp_hooks():
+    """On a GPU with the copy path built (it builds itself on first use there), a step whose
+    plan keeps everything is decided in C++, and the gradients are those of the run without
+    lmsrt, bit for bit; then a step that needs the Python hooks (a batch of another size) too."""
+    if copy_path.load() is None:
+        pytest.skip(f"copy path not built: {copy_path.status()}")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU())
+                                for _ in range(8)]).cuda()
+    lms = lmsrt.LMS(lms=64, lms_frac="auto")
+    assert lms._hooks is not None
+    calls = None
+    for step in range(8):
+        x = torch.randn(256 if step != 6 else 384, 512, device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(step))
+        net.zero_grad(set_to_none=True)
+        want = [g.clone() for g in torch.autograd.grad(net(x).square().mean(), net.parameters())]
+        if step == 5:
+            calls = _python_decisions(lms)
+        with lms:
+            loss = net(x).square().mean()
+        loss.backward()
+        assert all(torch.equal(p.grad, w) for p, w in zip(net.parameters(), want)), step
+        if step == 5:
+            assert lms.stats()["last_step"]["mode"] == "plan"
+            assert len(calls) == 1 and lms.stats()["last_step"]["kept_tensors"] >= 16
+    assert lms.stats()["last_step"]["kept_tensors"] >= 16
