@@ -421,6 +421,7 @@ class SwapEngine:
         self._ahead = 0                # restored bytes not yet used
         self._index = 0                # storages saved in this forward
         self._beyond_plan = 0          # bytes swapped beyond the plan this step
+        self._over = None              # (forward point, GPU use there) of the first of them
         self._bwd_point = 0            # unpacks so far in this backward (the policy's point j)
         self._base = None              # GPU use at this step's first save (None: not yet)
         self._step_peak = 0            # highest peak read before a reset inside this step
@@ -501,6 +502,7 @@ class SwapEngine:
                 s.index = i
             self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
             self._index = self._beyond_plan = 0
+            self._over = None
             self._sigs = {}
             self._largest = (0, 0)
             if self.rebuilds is not None:
@@ -598,11 +600,13 @@ class SwapEngine:
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         followed = self.plan.finish_step(rebuildable)
         self._swapped_last = s.out_bytes + s.recipe_bytes + self._deferred_kept
+        s.beyond_plan_bytes = self._beyond_plan if s.mode == "plan" else 0
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self._forward_end_use,
                                 swapped=self._swapped_last,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
-                                retries=s.alloc_retries, failures=s.alloc_failures)
+                                retries=s.alloc_retries, failures=s.alloc_failures,
+                                over=self._over)
         s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
@@ -846,9 +850,14 @@ class SwapEngine:
         used = None if planned else self._gpu_use(nbytes, level or hold)
         entry = None
         if planned or used - self._held_bytes > level:
+            over = None if planned else used - self._held_bytes
             entry = self._offload(t, storage, nbytes, index, ref, version, recipe)
-            if entry is not None and not planned:
+            if entry is not None and over is not None:
                 self._beyond_plan += nbytes
+                if self._over is None and plan.mode == "plan":
+                    # The first point at which the plan's prediction fell short (policy.py,
+                    # NOTE [ Auto ], 4): GPU use there, from the step's base.
+                    self._over = (index, over - self._base)
         if entry is None:
             entry = _Kept(ref, version)
             self.step.kept_bytes += nbytes

@@ -48,7 +48,10 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
   4. Correct. A step whose peak passed the bound and the prediction plans for what the
      prediction missed; a step that peaked well under it, half the unused room less (the
      learning step's own use is not quite a planned step's). A peak predicted over the bound is
-     the model's own: nothing to correct. The headroom (room the allocator needs beside what
+     the model's own: nothing to correct. A step that had to swap a storage the plan keeps
+     (use over its level in forward) shows the profile short there: the model's own use is
+     raised from that point to the end of forward by what it missed, and the next plan offloads
+     earlier storages instead (``_learn_from``). The headroom (room the allocator needs beside what
      is allocated) starts at limit/16; more than two allocator retries a step near the bound
      raise it by limit/64, undone if the next step retries as often (those retries are the
      model's own, and count no more); after four clean steps (none with a retry beyond the
@@ -77,10 +80,12 @@ while a peak inside backward does not fall by offloading more.
 from __future__ import annotations
 
 import collections
+import itertools
 import weakref
 from typing import List, Optional
 
 from .plan import OffloadPlan
+from .units import format_bytes
 
 __all__ = ["FixedPolicy", "AutoPolicy", "Profile", "make_policy"]
 
@@ -89,6 +94,7 @@ _RELEARN = 16      # AutoPolicy learns a changed sequence again at most this oft
 _NEVER = 1 << 62
 _RETRIES = 2       # AutoPolicy leaves more headroom past this many allocator retries a step
 _REPLAN = 8        # AutoPolicy plans again when its budget moved by limit >> _REPLAN
+_MISSED = 6        # and learns from a forward point whose use it missed by more than limit >> this
 
 
 class FixedPolicy:
@@ -144,7 +150,7 @@ class FixedPolicy:
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0) -> None:
+                    failures: int = 0, over: Optional[tuple] = None) -> None:
         """NOTE [ Fixed mark ]."""
         self._first = False
         mark = self.mark
@@ -240,6 +246,22 @@ class Profile:
         hi = end + 1 if hi is None else max(hi, lo + 1)
         return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
 
+    def kept_readings(self, k: int):
+        """The points whose reading of GPU use keeping storage k adds to (the swap and fetch
+        levels are readings, not peaks): its kept span less the points at which the learning
+        step read it as the model's own, from where lmsrt let go of it to the point before the
+        one at which it was found freed. (``kept_spans`` also leaves out that last point, whose
+        interval peaked with it allocated; its reading did not see it: a level short by the
+        storage there swapped one the plan keeps, in every step.)"""
+        n, p = len(self.fwd_own), len(self.bwd_own)
+        start, end = k + 1, n + min(self.last_use[k], p - 1)
+        span = self.held.get(k)
+        if span is None:
+            return [(start, end)]
+        lo, hi = span
+        hi = end + 1 if hi is None else hi
+        return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
+
     def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
                nbytes: int = 0) -> None:
         if self._freed:
@@ -296,6 +318,7 @@ class AutoPolicy:
         self._planned_for = None       # the budget the current plan was made for
         self._planned_rebuildable: set = set()   # and the storages it could rebuild
         self._swap: List[int] = []
+        self._slack = 0
         self._hold: List[int] = []
         self._fetch: List[int] = []
         self._reactive = 0
@@ -401,10 +424,17 @@ class AutoPolicy:
         plan.set_offloaded(offload)
         peak = max(fwd + bwd, default=0)
         self.predicted_peak = base + peak
-        slack = max(0, budget - peak)
+        self._slack = slack = max(0, budget - peak)
         fwd_own, bwd_own = prof.fwd_own, prof.bwd_own
-        kept_fwd = [f - q for f, q in zip(fwd, prof.fwd_peak)]
-        kept_bwd = [b - q for b, q in zip(bwd, prof.bwd_peak)]
+        # What the kept storages add to each point's reading of use (a difference array).
+        kept = [0] * (n + p + 1)
+        for k, size in enumerate(prof.sizes):
+            if not offload[k] and k not in live and size:
+                for a, b in prof.kept_readings(k):
+                    kept[a] += size
+                    kept[b + 1] -= size
+        kept = list(itertools.accumulate(kept))
+        kept_fwd, kept_bwd = kept[:n], kept[n:n + p]
         self._swap = [fwd_own[i] + kept_fwd[i] + slack for i in range(n)]
         nxt = prof.fwd_peak[1:] + prof.bwd_peak[:1]
         self._hold = [budget - max(0, nxt[i] - fwd_own[i]) if i < len(nxt) else budget
@@ -436,7 +466,9 @@ class AutoPolicy:
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0) -> None:
+                    failures: int = 0, over: Optional[tuple] = None) -> None:
+        """``over``: (forward point, GPU use there less the base) where the step first swapped a
+        storage its plan keeps, use standing over the level (NOTE [ Auto ], 4)."""
         if self.learning:
             prof = self._recording
             self._recording = None
@@ -528,6 +560,8 @@ class AutoPolicy:
                 self.headroom = max(self.floor, self.headroom - (limit >> 7))
                 self._clean = 0
                 self.why = f"clean steps: headroom given back to {self.headroom / gib:.2f} GiB"
+        if over is not None and followed:
+            self._learn_from(over)
         if not followed and self._since_learnt >= _RELEARN:
             self.learning = True        # the sequence changed: learn it again
             self.why = "the sequence of saved tensors changed: learning it again"
@@ -537,6 +571,32 @@ class AutoPolicy:
         if self.profile is None:
             plan.set_target(swapped)
             self._reactive = bound - self.overlap
+
+    def _learn_from(self, over: tuple) -> None:
+        """Forward point ``i`` used more than the plan predicted, so a storage the plan keeps
+        was swapped as it was saved, at the last moment (measured on an LM at an 18 GiB cap: its
+        3 GiB fp32 log-probabilities, every step, with no forward left to copy them out in and
+        needed first in backward: 0.37 s a step against 0.26-0.31 where the learning step had
+        read the same model's use at forward's end 1.6 GiB higher). The learning step misread
+        the model's own use from there (which tensors the model itself still held depended on
+        when lmsrt's copies finished): raise it, from point i to the end of forward, by what it
+        missed, and plan again; the plan then offloads earlier storages instead, whose copies
+        have the rest of forward to go out."""
+        i, used = over
+        prof = self.profile
+        if prof is None or i >= len(self._swap) or i >= len(prof.fwd_own):
+            return
+        missed = used - (self._swap[i] - self._slack)
+        if missed <= self.limit >> _MISSED:
+            return          # the allocator's own noise: the level's slack is there for it
+        for k in range(i, len(prof.fwd_own)):
+            prof.fwd_own[k] += missed
+            prof.fwd_peak[k] += missed
+        self._planned_for = None
+        gib = 2**30
+        self.why = (f"GPU use at forward point {i} stood {format_bytes(missed)} over the "
+                    f"prediction and a storage the plan keeps was swapped there: planning "
+                    f"for that much more use from there to the end of forward")
 
     def step_figures(self) -> dict:
         """What a step runs with, for its StepStats."""

@@ -19,6 +19,8 @@ class StepStats:
     plan_target_bytes: int = 0     # bytes the plan meant to offload (earliest saved first)
     out_bytes: int = 0             # swapped out to pinned host memory
     out_tensors: int = 0           # storages swapped out (views of one storage count once)
+    beyond_plan_bytes: int = 0     # of which the plan meant to keep: GPU use stood over the
+                                   # policy's level when they were saved
     kept_bytes: int = 0            # eligible but kept on the GPU
     kept_tensors: int = 0
     skipped_tensors: int = 0       # saved tensors not eligible (small, parameters, other devices)
@@ -63,7 +65,7 @@ class StepStats:
         return dataclasses.asdict(self)
 
 
-_SUMMED = ("out_bytes", "out_tensors", "kept_bytes", "kept_tensors", "skipped_tensors",
+_SUMMED = ("out_bytes", "out_tensors", "beyond_plan_bytes", "kept_bytes", "kept_tensors", "skipped_tensors",
            "live_bytes", "live_tensors", "recipe_bytes", "recipe_tensors", "rebuilt_bytes",
            "rebuilt_tensors", "rebuild_ms", "rebuild_checks", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "prefetch_dropped", "swapin_wait_ms", "swapout_waits",
@@ -133,6 +135,7 @@ def format_summary(stats: Dict[str, object]) -> str:
         ("mode", last["mode"], None),
         ("swapped out", last["out_bytes"], t["out_bytes"]),
         ("  tensors", last["out_tensors"], t["out_tensors"]),
+        ("  beyond the plan", last["beyond_plan_bytes"], t["beyond_plan_bytes"]),
         ("swapped in", last["in_bytes"], t["in_bytes"]),
         *([("rebuilt, not moved", last["recipe_bytes"], t["recipe_bytes"]),
            ("  rebuilt in backward", last["rebuilt_bytes"], t["rebuilt_bytes"]),
@@ -166,7 +169,8 @@ def format_summary(stats: Dict[str, object]) -> str:
                 cells.append(f"{'':>14}")
             elif isinstance(v, str):
                 cells.append(f"{v:>14}")
-            elif "bytes" in name or name in ("swapped out", "swapped in", "kept on GPU",
+            elif "bytes" in name or name in ("swapped out", "  beyond the plan", "swapped in",
+                                             "kept on GPU",
                                              "rebuilt, not moved", "  rebuilt in backward",
                                              "kept, alive anyway", "GPU peak allocated",
                                              "host pinned peak", "host pinned",

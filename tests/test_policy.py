@@ -12,6 +12,7 @@ import gc
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -528,16 +529,22 @@ def test_copies_fetched_ahead_make_way_when_backward_holds_more_than_predicted(m
     model then holds more than the plan predicted, so that a later workspace still fits; they
     come back from host memory when needed. Without that, the workspace fails in every step
     until the headroom has grown past the surprise (on a GPU the first failure is for good:
-    cuDNN keeps the slower algorithm)."""
+    cuDNN keeps the slower algorithm). The surprise's first step may fail once: nothing
+    predicted it, and what the plan keeps cannot be given back (it did not fail before the
+    swap levels counted, at each point, the storages the learning step had seen freed there:
+    a level short by one storage swapped one the plan keeps, and left room by accident)."""
     with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="failed at the memory limit"):
         _, stats, fell_back = _surprised(False, m)
-    assert fell_back > 0
+    assert fell_back > 1
     assert sum(s["alloc_failures"] for s in _steps(stats)) == fell_back
+    assert any(s["alloc_failures"] for s in _steps(stats)[2:])
 
-    grads, stats, fell_back = _surprised(True, monkeypatch)
-    assert fell_back == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # said for the first step's failure
+        grads, stats, fell_back = _surprised(True, monkeypatch)
+    assert fell_back <= 1
     steps = _steps(stats)
-    assert all(s["alloc_failures"] == 0 for s in steps)
+    assert all(s["alloc_failures"] == 0 for s in steps[2:]), [s["alloc_failures"] for s in steps]
     assert sum(s["prefetch_dropped"] for s in steps[1:]) > 0
     # What was given back came in again: more in than out.
     assert any(s["in_bytes"] > s["out_bytes"] for s in steps[1:])
@@ -571,3 +578,51 @@ def test_a_learning_step_fetches_ahead_only_where_a_transient_cannot_meet_it():
     # Where use stays low (under a quarter of the limit), it still fetches ahead.
     _, stats = _train(SimulatedDevice(capacity=CAP, strict=True), "auto", steps=1, state=8 * MiB)
     assert stats["last_step"]["prefetch_hits"] > 0
+
+
+class _HeldLate(Scripted):
+    """From step 2 on, the model holds ``hold`` bytes from forward layer ``at`` to the end of
+    forward: use that the learning step did not see (on a GPU, a tensor the model still held
+    that the learning step counted as lmsrt's, depending on when its copies finished)."""
+
+    def __init__(self, device, hold, at, **script):
+        super().__init__(device, **script)
+        self.hold, self.at, self.steps, self.held = hold, at, 0, None
+
+    def step(self, x):
+        self.steps += 1
+        n = len(self.weights)
+        for i, w in enumerate(self.weights):
+            if i == self.at and self.steps >= 2:
+                self.held = self.device.empty(self.hold)
+            x = _Layer.apply(x, w, self.device, 0, self.bwd if i == n - 1 else 0)
+        self.held = None
+        return x.sum()
+
+
+def test_a_step_that_swaps_what_its_plan_keeps_is_planned_again():
+    """Forward uses more than the profile learnt from layer 12 on, so planned steps find use
+    over the level there and swap storages the plan keeps as they are saved, with no forward
+    left to copy them out in, and backward needs them first (measured on an LM: its 3 GiB
+    log-probabilities, every step, 0.37 s a step against 0.26-0.31). One such step is enough:
+    the policy raises what it learnt from that point and plans again, and the later steps
+    offload earlier storages instead."""
+    device = SimulatedDevice(capacity=CAP, strict=True)
+    model = _HeldLate(device, hold=24 * MiB, at=12, **BACKWARD_TRANSIENT)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")
+    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for _ in range(8):
+        for w in model.weights:
+            w.grad = None
+        with lms:
+            loss = model.step(x0.clone().requires_grad_())
+        loss.backward()
+        grads.append(model.grads())
+    steps = _steps(lms.stats())
+    beyond = [s["beyond_plan_bytes"] for s in steps]
+    assert beyond[1] > 0, beyond
+    assert "over the prediction" in steps[1]["policy_note"]
+    assert all(b == 0 for b in beyond[2:]), beyond
+    for got, want in zip(grads, _reference(**BACKWARD_TRANSIENT)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
