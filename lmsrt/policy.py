@@ -193,6 +193,7 @@ class Profile:
         self.bwd_own: List[int] = []     # the same at backward point j
         self.bwd_peak: List[int] = []
         self.last_use: List[int] = []    # backward point of each storage's last unpack
+        self.first_use: List[int] = []   # and of its first
         self.live: set = set()           # storages alive anyway (never worth keeping count of)
         # Storage i counted as the model's own from point held[i][0] to held[i][1] (points
         # numbered through forward, then backward): the model held on to it after lmsrt let go.
@@ -274,12 +275,32 @@ class Profile:
         else:
             self.sizes.append(nbytes)
             self.last_use.append(_NEVER)
+            self.first_use.append(_NEVER)
             self.fwd_own.append(own)
             self.fwd_peak.append(own_peak)
 
     def used_at(self, i: int, j: int) -> None:
         if 0 <= i < len(self.last_use):
             self.last_use[i] = j
+            if i < len(self.first_use) and self.first_use[i] == _NEVER:
+                self.first_use[i] = j
+
+    def between(self, k: int) -> Optional[tuple]:
+        """The points (numbered through forward, then backward) at which storage k, restored,
+        waits between its first unpack and its last (a tensor that two backward functions
+        read: a convolution's input that a ReLU before it also saved), or None. The learning
+        step counted it as lmsrt's there, as it counts a copy fetched ahead; a planned step
+        that offloads it holds it all the same (measured on a conv net at a 6 GiB cap: a
+        577 MiB activation between its two unpacks made every 1.1 GiB cuDNN workspace of the
+        first planned step fail, 79 of them, and cuDNN kept the slower algorithms for the
+        run)."""
+        if k >= len(self.first_use):
+            return None
+        first, last, n = self.first_use[k], self.last_use[k], len(self.fwd_own)
+        last = min(last, len(self.bwd_own) - 1)
+        if first == _NEVER or first >= last:
+            return None
+        return n + first + 1, n + last
 
     def growth(self) -> int:
         """The largest rise of the model's own use within one interval."""
@@ -408,13 +429,23 @@ class AutoPolicy:
         # the engine can rebuild cost no copy to offload: they are kept only with the room that
         # the others leave.
         peaks = prof.fwd_peak + prof.bwd_peak        # points through forward, then backward
+        # A storage restored for backward waits between its first unpack and its last, kept or
+        # not (Profile.between): use the learning step counted as lmsrt's.
+        between = [None if k in live else prof.between(k) for k in range(n)]
+        waits = [0] * (n + p + 1)
+        for k, span in enumerate(between):
+            if span is not None:
+                waits[span[0]] += prof.sizes[k]
+                waits[span[1] + 1] -= prof.sizes[k]
+        waits = list(itertools.accumulate(waits))[:n + p]
+        peaks = [v + w for v, w in zip(peaks, waits)]
         offload = [False] * n
         down = range(n - 1, -1, -1)
         for k in [k for k in down if k not in rebuildable] + [k for k in down if k in rebuildable]:
             size = prof.sizes[k]
             if k in live or not size:
                 continue
-            spans = prof.kept_spans(k)
+            spans = _without(prof.kept_spans(k), between[k])
             if all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans):
                 for a, b in spans:
                     peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
@@ -426,13 +457,18 @@ class AutoPolicy:
         self.predicted_peak = base + peak
         self._slack = slack = max(0, budget - peak)
         fwd_own, bwd_own = prof.fwd_own, prof.bwd_own
-        # What the kept storages add to each point's reading of use (a difference array).
+        # What the kept storages add to each point's reading of use, and the restored ones
+        # waiting between two unpacks (a difference array).
         kept = [0] * (n + p + 1)
         for k, size in enumerate(prof.sizes):
-            if not offload[k] and k not in live and size:
-                for a, b in prof.kept_readings(k):
-                    kept[a] += size
-                    kept[b + 1] -= size
+            if k in live or not size:
+                continue
+            spans = [] if offload[k] else _without(prof.kept_readings(k), between[k])
+            if between[k] is not None:
+                spans.append(between[k])
+            for a, b in spans:
+                kept[a] += size
+                kept[b + 1] -= size
         kept = list(itertools.accumulate(kept))
         kept_fwd, kept_bwd = kept[:n], kept[n:n + p]
         self._swap = [fwd_own[i] + kept_fwd[i] + slack for i in range(n)]
@@ -614,6 +650,20 @@ class AutoPolicy:
             lines.append("  It was still learning the model's own use (the first step swaps "
                          "every eligible tensor); what is left is the model's own working set.")
         return lines
+
+
+def _without(spans: list, gap: Optional[tuple]) -> list:
+    """``spans`` (inclusive (first, last) point pairs) less the points of ``gap``."""
+    if gap is None:
+        return list(spans)
+    lo, hi = gap
+    out = []
+    for a, b in spans:
+        if a < lo:
+            out.append((a, min(b, lo - 1)))
+        if b > hi:
+            out.append((max(a, hi + 1), b))
+    return out
 
 
 def make_policy(lms_frac, limit: int, window: int):
