@@ -626,3 +626,31 @@ def test_a_step_that_swaps_what_its_plan_keeps_is_planned_again():
     assert all(b == 0 for b in beyond[2:]), beyond
     for got, want in zip(grads, _reference(**BACKWARD_TRANSIENT)):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_restored_storage_waiting_between_two_unpacks_counts_in_the_plan():
+    """Storage 0 is read twice in backward, at its first point (a skip connection) and at its
+    last; in between, a transient of 350 (a convolution's workspace). Offloaded, it is
+    restored at backward point 0 and waits there through the transient, which the learning
+    step counted as lmsrt's: a plan that offloads it to keep storage 1 predicts 450 where the
+    step reaches 550 (on a GPU, cuDNN's workspace fails and the slower algorithm is kept for
+    the run). Counting the wait, keeping storage 0 and offloading storage 1 fits."""
+    limit = 534                                   # bound 534 - 33 = 501
+    policy = AutoPolicy(limit=limit, window=1 << 30)
+    policy.learning = False
+    prof = _profile(fwd_own=[100, 100, 100, 100], fwd_peak=[100, 100, 100, 100],
+                    bwd_own=[0, 100, 100, 100], bwd_peak=[100, 100, 350, 100],
+                    sizes=[100] * 4, last_use=[3, 2, 1, 0])
+    prof.first_use = [0, 2, 1, 0]
+    policy.profile = prof
+    plan = OffloadPlan()
+    plan.recorded, plan.planned = [100] * 4, True
+    policy.begin_step(plan, base=0, first=100)
+    assert policy.bound == 501
+    assert plan.chosen == [False, True, False, False]
+    assert policy.predicted_peak == 450            # 350 beside storage 0, kept
+    # Without the second read, storage 0 is the one to offload (the earliest), as before.
+    prof.first_use = [3, 2, 1, 0]
+    policy._planned_for = None
+    policy.begin_step(plan, base=0, first=100)
+    assert plan.chosen == [True, False, False, False]
