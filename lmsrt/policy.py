@@ -231,36 +231,23 @@ class Profile:
         self._read_freed()
         self.closed = True
 
-    def kept_spans(self, k: int):
+    def kept_spans(self, k: int, readings: bool = False):
         """The points at which keeping storage k adds its bytes to what was learnt: from its
         save to its last unpack (to there the learning step counted its restored copy as
         lmsrt's; after it, autograd frees it as it frees a kept one), less the span in which
         the model held it anyway: from where lmsrt let go of it (that interval's peak was read
         with it allocated) to the interval in which it was freed (which may have peaked after
-        it was: counted)."""
+        it was: counted). With ``readings``, the points whose reading of GPU use it adds to
+        (the swap and fetch levels are readings, not peaks): that last point is counted too,
+        since its reading came after the free (leaving it out made a level short by the
+        storage there, which swapped one the plan keeps, in every step)."""
         n, p = len(self.fwd_own), len(self.bwd_own)
         start, end = k + 1, n + min(self.last_use[k], p - 1)
         span = self.held.get(k)
         if span is None:
             return [(start, end)]
         lo, hi = span
-        hi = end + 1 if hi is None else max(hi, lo + 1)
-        return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
-
-    def kept_readings(self, k: int):
-        """The points whose reading of GPU use keeping storage k adds to (the swap and fetch
-        levels are readings, not peaks): its kept span less the points at which the learning
-        step read it as the model's own, from where lmsrt let go of it to the point before the
-        one at which it was found freed. (``kept_spans`` also leaves out that last point, whose
-        interval peaked with it allocated; its reading did not see it: a level short by the
-        storage there swapped one the plan keeps, in every step.)"""
-        n, p = len(self.fwd_own), len(self.bwd_own)
-        start, end = k + 1, n + min(self.last_use[k], p - 1)
-        span = self.held.get(k)
-        if span is None:
-            return [(start, end)]
-        lo, hi = span
-        hi = end + 1 if hi is None else hi
+        hi = end + 1 if hi is None else hi if readings else max(hi, lo + 1)
         return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
 
     def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
@@ -463,7 +450,7 @@ class AutoPolicy:
         for k, size in enumerate(prof.sizes):
             if k in live or not size:
                 continue
-            spans = [] if offload[k] else _without(prof.kept_readings(k), between[k])
+            spans = [] if offload[k] else _without(prof.kept_spans(k, readings=True), between[k])
             if between[k] is not None:
                 spans.append(between[k])
             for a, b in spans:

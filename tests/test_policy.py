@@ -78,9 +78,10 @@ class Scripted:
         return [w.grad.clone() for w in self.weights]
 
 
-def _train(device, lms_frac, steps=8, **script):
-    """Train the scripted model; return (grads per step, stats) or raise the OOM."""
-    model = Scripted(device, **script)
+def _train(device, lms_frac, steps=8, model_class=None, **script):
+    """Train the scripted model (or ``model_class``'s); return (grads per step, stats) or raise
+    the OOM."""
+    model = (model_class or Scripted)(device, **script)
     lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac)
     x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
     grads = []
@@ -607,19 +608,9 @@ def test_a_step_that_swaps_what_its_plan_keeps_is_planned_again():
     log-probabilities, every step, 0.37 s a step against 0.26-0.31). One such step is enough:
     the policy raises what it learnt from that point and plans again, and the later steps
     offload earlier storages instead."""
-    device = SimulatedDevice(capacity=CAP, strict=True)
-    model = _HeldLate(device, hold=24 * MiB, at=12, **BACKWARD_TRANSIENT)
-    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")
-    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
-    grads = []
-    for _ in range(8):
-        for w in model.weights:
-            w.grad = None
-        with lms:
-            loss = model.step(x0.clone().requires_grad_())
-        loss.backward()
-        grads.append(model.grads())
-    steps = _steps(lms.stats())
+    grads, stats = _train(SimulatedDevice(capacity=CAP, strict=True), "auto",
+                          model_class=_HeldLate, hold=24 * MiB, at=12, **BACKWARD_TRANSIENT)
+    steps = _steps(stats)
     beyond = [s["beyond_plan_bytes"] for s in steps]
     assert beyond[1] > 0, beyond
     assert "over the prediction" in steps[1]["policy_note"]
