@@ -37,9 +37,10 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
   2. Plan. A storage the plan keeps on the GPU occupies its bytes from its save to its last use
      in backward. The predicted peak of each interval is the model's own peak there plus the
      kept storages alive then; it must stay under the bound, the limit less the headroom,
-     counted from use at this step's first save. Storages are kept from the last saved down,
-     each wherever it fits, and the rest offloaded: only what must move moves, the earliest
-     first (backward needs them last).
+     counted from use at this step's first save. One the plan offloads still waits on the GPU,
+     once restored, between its first unpack and its last (``Profile.between``), as a kept one
+     would. Storages are kept from the last saved down, each wherever it fits, and the rest
+     offloaded: only what must move moves, the earliest first (backward needs them last).
   3. Bound the rest by the same prediction: held sources so that use plus the model's growth in
      the next interval stays under the bound; prefetch so that what is fetched ahead plus the
      highest predicted use still to come in backward stays under it (a prefetch is held until
@@ -50,12 +51,12 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      learning step's own use is not quite a planned step's). A peak predicted over the bound is
      the model's own: nothing to correct. A step that had to swap a storage the plan keeps
      (use over its level in forward) shows the profile short there: the model's own use is
-     raised from that point to the end of forward by what it missed, and the next plan offloads
-     earlier storages instead (``_learn_from``). The headroom (room the allocator needs beside what
-     is allocated) starts at limit/16; more than two allocator retries a step near the bound
-     raise it by limit/64, undone if the next step retries as often (those retries are the
-     model's own, and count no more); after four clean steps (none with a retry beyond the
-     model's own near the bound) it gives back limit/128, down to limit/32.
+     raised from that point to the end of forward by what it missed, and the next plan
+     offloads earlier storages instead (``_learn_from``). The headroom (room the allocator
+     needs beside what is allocated) starts at limit/16; more than two allocator retries a
+     step near the bound raise it by limit/64, undone if the next step retries as often (those
+     retries are the model's own, and count no more); after four clean steps (none with a
+     retry beyond the model's own near the bound) it gives back limit/128, down to limit/32.
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
      follows the plan). A step whose sequence differs is reactive: where it differs by a
      smaller storage it swaps what passes the bound less the largest growth the profile saw;
@@ -616,7 +617,6 @@ class AutoPolicy:
             prof.fwd_own[k] += missed
             prof.fwd_peak[k] += missed
         self._planned_for = None
-        gib = 2**30
         self.why = (f"GPU use at forward point {i} stood {format_bytes(missed)} over the "
                     f"prediction and a storage the plan keeps was swapped there: planning "
                     f"for that much more use from there to the end of forward")

@@ -65,7 +65,8 @@ class StepStats:
         return dataclasses.asdict(self)
 
 
-_SUMMED = ("out_bytes", "out_tensors", "beyond_plan_bytes", "kept_bytes", "kept_tensors", "skipped_tensors",
+_SUMMED = ("out_bytes", "out_tensors", "beyond_plan_bytes", "kept_bytes", "kept_tensors",
+           "skipped_tensors",
            "live_bytes", "live_tensors", "recipe_bytes", "recipe_tensors", "rebuilt_bytes",
            "rebuilt_tensors", "rebuild_ms", "rebuild_checks", "in_bytes",
            "in_tensors", "prefetch_hits", "prefetch_misses", "prefetch_dropped", "swapin_wait_ms", "swapout_waits",
