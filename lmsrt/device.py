@@ -173,28 +173,51 @@ def _prefer_expandable_segments() -> bool:
     return True
 
 
-_TOUCH_PIECE = 64 << 20        # a thread's share of a pin's pages is at least this much
+_TOUCH_PIECE = 16 << 20        # a touching thread's share of a pin is at least this much
 _touchers: Optional[ThreadPoolExecutor] = None
+_touchers_size = 0
 _touchers_lock = threading.Lock()
+
+
+def local_world_size(environ=None) -> int:
+    """Processes of this job on this node (torchrun's LOCAL_WORLD_SIZE); 1 if unset or bad."""
+    raw = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        return 1
+
+
+def _touch_threads() -> int:
+    """Threads to touch pins on: three quarters of this rank's share of the CPUs this process
+    may run on (its affinity mask, as a container or launcher sets it), 1 to 12."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    return max(1, min(12, cpus // local_world_size() * 3 // 4))
 
 
 def _touch(address: int, size: int, threads: int) -> None:
     """Write zeros over ``size`` bytes at ``address`` (faulting the pages in), on up to
     ``threads`` threads: ctypes' memset releases the GIL, and the page faults, not the writes,
-    are the cost."""
-    global _touchers
+    are the cost. The pieces go to one first-in first-out pool, so of two pins touched at once
+    the first is done first (NOTE [ Pinning ] in host.py, Background)."""
+    global _touchers, _touchers_size
     pieces = max(1, min(threads, size // _TOUCH_PIECE))
     if pieces == 1:
         ctypes.memset(address, 0, size)
         return
     with _touchers_lock:
-        if _touchers is None:
+        if _touchers_size != threads:
+            if _touchers is not None:
+                _touchers.shutdown(wait=False)       # its idle threads end; queued pieces run
             _touchers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmsrt-touch")
+            _touchers_size = threads
+        touchers = _touchers
     step = -(-size // pieces // _HUGE_PAGE) * _HUGE_PAGE
-    spans = [(start, min(step, size - start)) for start in range(0, size, step)]
-    futures = [_touchers.submit(ctypes.memset, address + start, 0, n) for start, n in spans[1:]]
-    start, n = spans[0]
-    ctypes.memset(address + start, 0, n)
+    futures = [touchers.submit(ctypes.memset, address + start, 0, min(step, size - start))
+               for start in range(0, size, step)]
     for future in futures:
         future.result()
 
@@ -203,10 +226,13 @@ class CudaDevice:
     """One CUDA device, as the swap engine sees it."""
 
     kind = "cuda"
-    # Pinning runs off the training thread, on several threads: the page faults and zeroing that
-    # dominate its cost scale with them (measured on an H200 host, 4 GiB: 13.5 GiB/s on 4
-    # threads, 22 GiB/s on 8, with the pages touched before registration).
-    pin_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+    # Pinning runs off the training thread: two pins at once, so that one registers with the
+    # driver (~40 GiB/s on an H200 host, on one thread whatever the number) while the next is
+    # touched; the page faults and zeroing that dominate the cost scale with the touching
+    # threads (there: 3.8 GiB/s on 1, 17 on 4, 20 on 8, 34 on 16). Touching runs in bursts
+    # (the first step, a layout pinned ahead), while the training thread mostly waits.
+    pin_threads = 2
+    touch_threads = _touch_threads()
 
     def __init__(self, index: Optional[int] = None):
         self.index = torch.cuda.current_device() if index is None else index
@@ -307,10 +333,10 @@ class CudaDevice:
                     pass                   # under fork, as torch's own pinned memory is
         slab = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         # Touch the pages first: the driver then only locks pages that are there. Registering
-        # untouched pages faulted them in at 4-6 GiB/s on an H200 host; touched first, 13.5 GiB/s
-        # on 4 threads and 22 GiB/s on 8. One pin is touched on several threads: a step that
+        # untouched huge pages faulted them in at 5.9 GiB/s on an H200 host; touched first, the
+        # registration runs at ~40 GiB/s. One pin is touched on several threads: a step that
         # waits for its pins waits for one at a time.
-        _touch(slab.data_ptr(), size, self.pin_threads)
+        _touch(slab.data_ptr(), size, self.touch_threads)
         cudart = torch.cuda.cudart()
         with torch.cuda.device(self.index):  # a pinning thread starts on device 0
             err = cudart.cudaHostRegister(slab.data_ptr(), size, _HOST_REGISTER_PORTABLE)

@@ -157,6 +157,31 @@ def test_background_pins_feed_allocs_and_none_while_they_run():
     pool.close()
 
 
+def test_a_step_outrunning_its_pins_keeps_one_more_under_way():
+    """From a step's second miss on, a request served by a pin under way keeps a chunk more under
+    way beyond it (NOTE [ Pinning ], Background): the next pin runs while this one is waited
+    for. The first miss starts one pin only, and a request with a slab of its own none more."""
+    device = SimulatedDevice(pin_threads=2)
+    pool = HostPool(device, budget=1 << 40, chunk_min=MiB, chunk_max=MiB)
+    pool.new_step()
+    device.pin_gate.clear()                          # every pin is held in flight
+    in_flight = []
+    try:
+        for _ in range(9):                           # a quarter of a chunk each
+            assert pool.alloc(256 << 10) is None
+            in_flight.append(pool.pins_in_flight)
+        assert in_flight == [1, 1, 1, 1, 3, 3, 3, 3, 4]
+        assert pool.alloc(2 * MiB) is None           # a pin of its own: nothing more ahead
+        assert pool.pins_in_flight == 5 and pool.pinned_bytes == 6 * MiB
+    finally:
+        device.pin_gate.set()
+    _until(lambda: pool.pins_in_flight == 0)
+    slots = [pool.alloc(256 << 10) for _ in range(9)] + [pool.alloc(2 * MiB)]
+    assert all(s is not None for s in slots) and pool.pinned_bytes == 6 * MiB
+    assert pool.most_pinned == 6 * MiB               # pins under way counted as they start
+    pool.close()
+
+
 def test_wait_blocks_until_the_pin_lands_then_succeeds():
     device = SimulatedDevice(pin_threads=1)
     pool = HostPool(device, budget=1 << 40, chunk_min=4 * MiB)
@@ -387,13 +412,16 @@ def test_slabs_idle_for_n_steps_are_given_back(threads):
     device = SimulatedDevice(pin_threads=threads)
     pool = HostPool(device, budget=1 << 40, chunk_min=MiB, chunk_max=MiB, idle_steps=3)
     _run_steps(pool, [256 << 10] * 32, 2, reserve=False)   # 8 MiB a step: 8 slabs of 1 MiB
-    assert pool.pinned_bytes == 8 * MiB
-    small, given = [256 << 10] * 8, 0                # use shrinks to 2 MiB
+    held = pool.pinned_bytes           # and, pinned in the background, one more ahead
+    assert held == 8 * MiB + (MiB if threads else 0)
+    small, given, pinned = [256 << 10] * 8, 0, []    # use shrinks to 2 MiB
     for step in range(5):
         _run_steps(pool, small, 1, reserve=False)
         given += pool.given_back_bytes
-        assert pool.pinned_bytes == (8 * MiB if step < 3 else 2 * MiB), step
-    assert given == 6 * MiB
+        pinned.append(pool.pinned_bytes)
+    # The slab pinned ahead, never used, may go a step earlier than those last used in step 2.
+    assert pinned[:2] == [held] * 2 and pinned[2] in (held, 8 * MiB) and pinned[3:] == [2 * MiB] * 2
+    assert given == held - 2 * MiB
     _until(lambda: device.pinned_total == 2 * MiB)   # unregistered and freed, off the thread
     assert [s.size for s in pool.slabs] == [MiB, MiB]
     pool.close()
@@ -559,8 +587,9 @@ def test_a_slab_is_touched_in_whole_pieces_on_several_threads(monkeypatch, threa
     seen = set()
     memset = device_module.ctypes.memset
 
-    def counting(address, value, n):
+    def counting(address, value, n):           # slow, as page faults are: pieces overlap
         seen.add((threading.get_ident(), address - buffer.data_ptr(), n))
+        time.sleep(0.05)
         return memset(address, value, n)
     monkeypatch.setattr(device_module.ctypes, "memset", counting)
     device_module._touch(buffer.data_ptr(), size, threads)
@@ -572,6 +601,14 @@ def test_a_slab_is_touched_in_whole_pieces_on_several_threads(monkeypatch, threa
     assert len(spans) == 1 if threads == 1 else 1 < len(spans) <= threads
     if threads > 1:
         assert len({thread for thread, _, _ in seen}) > 1
+
+
+def test_pins_are_touched_on_three_quarters_of_a_ranks_cpus(monkeypatch):
+    from lmsrt import device as device_module
+    for cpus, ranks, threads in ((16, 1, 12), (16, 2, 6), (128, 8, 12), (256, 1, 12), (2, 1, 1)):
+        monkeypatch.setattr(device_module.os, "sched_getaffinity", lambda _, n=cpus: set(range(n)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert device_module._touch_threads() == threads, (cpus, ranks)
 
 
 def test_both_devices_offer_what_the_device_protocol_states():
