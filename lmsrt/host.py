@@ -1,8 +1,8 @@
 """Pinned host memory: slabs pinned in the background, sub-allocated, within a host budget.
 
 NOTE [ Pinning ]
-Pinning is slow (torch's pinned allocator: 0.73 s per GiB on an H200 host; ``Device.pinned``,
-which touches the pages before registering them, 13-22 GiB/s on 4-8 threads there) and pinned
+Pinning is slow (torch's pinned allocator: 0.4-0.73 s per GiB on an H200 host; ``Device.pinned``,
+which touches the pages before registering them, ~22 GiB/s on 8-12 threads there) and pinned
 memory cannot be paged out, so the pool pins close to what is used and never on the training
 thread unless asked to:
 
