@@ -298,9 +298,9 @@ class HostPool:
     ``alloc`` returns None when the budget says no, when pinning failed, or while the pin that
     would serve it is under way (unless ``wait=True``): the caller keeps the tensor on the GPU.
     Figures: ``pinned_bytes`` (pins under way included: a figure that does not depend on
-    when they land) and the most it ever was (``most_pinned``), ``used_bytes``, ``peak_used``, ``refused`` (as the engine resets
-    them), ``pins_in_flight``, and per step (reset by ``new_step``) ``pin_seconds``,
-    ``pin_wait_seconds``, ``lagged``, ``given_back_bytes``.
+    when they land) and the most it ever was (``most_pinned``), ``used_bytes``, ``peak_used``,
+    ``refused`` (as the engine resets them), ``pins_in_flight``, and per step (reset by
+    ``new_step``) ``pin_seconds``, ``pin_wait_seconds``, ``lagged``, ``given_back_bytes``.
 
     Example::
 
@@ -438,12 +438,13 @@ class HostPool:
 
     def _claim(self, nbytes: int, wait: bool) -> Optional[_Pin]:
         need = -(-nbytes // _ALIGN) * _ALIGN
-        small = self._chunk(nbytes) > nbytes         # served by a chunk, not a slab of its own
+        chunk = self._chunk(nbytes)
+        small = chunk > nbytes                       # served by a chunk, not a slab of its own
         pin = next((p for p in self._pending if p.size - p.claimed >= need), None)
         if pin is None:
             if self._refused_from is not None and nbytes >= self._refused_from:
                 return None
-            pin = self._grow(nbytes, self._chunk(nbytes))
+            pin = self._grow(nbytes, chunk)
             if pin is None:
                 return None
             self._misses += 1
