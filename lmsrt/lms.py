@@ -14,7 +14,8 @@ import torch
 from . import arena
 from .config import LMSConfig
 from .device import resolve_device
-from .engine import SwapEngine, pop_own_hooks
+from .engine import SwapEngine
+from .hook_stack import pop_own_hooks
 from .options import OPTIONS, describe
 from .stats import StepStats, format_summary
 

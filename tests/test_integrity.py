@@ -24,7 +24,7 @@ from torch import nn
 
 import lmsrt
 from lmsrt.policy import FixedPolicy
-from lmsrt import engine as engine_module
+from lmsrt.engine import forward as engine_module   # the room that makes handles
 from models import (DEVICES, assert_same, make_lms, mlp, pins_at_hand, run_threads, torch_device,
                     train_step, transformer)
 
@@ -193,7 +193,7 @@ class _Interrupt:
 
 
 BACKWARD_POINTS = [("engine", "_copy_in", 1), ("engine", "_copy_in", 2), ("device", "empty", 2)]
-FORWARD_POINTS = [("engine", "_copy_out", 2), ("module", "_producer", 3),
+FORWARD_POINTS = [("engine", "_copy_out", 2), ("module", "producer_of", 3),
                   ("device", "stream_key", 4), ("host", "alloc", 3), ("host", "free", 1),
                   ("host", "free", 4)]
 
@@ -271,7 +271,7 @@ def test_no_python_runs_when_autograd_drops_a_handle(lms_frac):
     "Exception ignored in __del__", and training go on after a Ctrl-C): handles have no
     __del__, and their watches, the recipe table's references (tanh's output has a recipe) and
     those of the learning step's profile (auto's first step) call a C function."""
-    assert not hasattr(engine_module._SwapRef, "__del__")
+    assert not hasattr(engine_module.SwapHandle, "__del__")
     lms = make_lms("sim", lms_frac=lms_frac)
     w = torch.randn(64, 64, requires_grad=True)
     with lms:
@@ -682,7 +682,7 @@ def test_an_interrupt_before_a_handle_is_counted_leaves_the_engine_usable(monkey
     ref = train_step(model, x)
     lms = make_lms("sim")
     train_step(model, x, lms=lms)
-    real, calls = engine_module._Watch, []
+    real, calls = engine_module.Watch, []
 
     class _Unfinished(real):
         __slots__ = ()
@@ -693,7 +693,7 @@ def test_an_interrupt_before_a_handle_is_counted_leaves_the_engine_usable(monkey
                 raise KeyboardInterrupt
             super().__setattr__(name, value)
 
-    monkeypatch.setattr(engine_module, "_Watch", _Unfinished)
+    monkeypatch.setattr(engine_module, "Watch", _Unfinished)
     with pytest.raises(KeyboardInterrupt):
         train_step(model, x, lms=lms)
     monkeypatch.undo()

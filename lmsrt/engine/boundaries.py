@@ -1,0 +1,202 @@
+"""Where steps begin and end: the step state made afresh, the plan begun at the first save, the
+step's figures read at its end."""
+from __future__ import annotations
+
+import threading
+
+from ..stats import StepStats
+
+__all__ = ["StepBoundaries"]      # a room of SwapEngine (core.py)
+
+
+class StepBoundaries:
+    """Step boundaries of a ``SwapEngine``."""
+
+    # -- step boundaries ---------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """A step's forward begins (``with`` entry, or the first save after a backward). Step
+        listeners run first, with the number of the step that begins; one may raise to stop
+        the script there (the launcher's LMSRT_MAX_STEPS), before anything of that step is held."""
+        for listener in self.step_listeners:
+            listener(self.run_stats.steps + 1 + bool(self.step.step))
+        with self._lock:
+            self._reap()
+            self._sweep_orphans()
+            self._release_finished()
+            self._order = [s for s in self._order if not s.dead]
+            # Recounted at each step, so an interrupt between a restored copy's marking and its
+            # count leaves no lasting drift (NOTE [ Interrupts and versions ], b).
+            self._ahead = sum(s.nbytes for s in self._order if s.gpu is not None)
+            stream = self.device.current_stream()
+            if stream != self.compute and (self._forward_open or self._order):
+                raise RuntimeError(
+                    f"lmsrt: a forward started on stream {stream} while tensors saved on stream "
+                    f"{self.compute} are still in use (another thread's forward, or a graph not "
+                    "yet run backward). One LMS orders its copies against one compute stream "
+                    "(NOTE [ Stream lifetimes ], Rule 6): run every forward that shares it on "
+                    "the same stream, or give each stream its own lmsrt.LMS.")
+            self._after_backward.discard(threading.get_ident())
+            if self._forward_open:
+                self.end_forward()
+            self._forward_open = True
+            if self.step.step:
+                self._finish_step()
+            self._base = None
+            self._keeps_all = False
+            keeper = self._keeper and self._keeper()
+            if keeper is not None:
+                keeper.backward(False)    # unpacks go to Python until forward ends
+            self._step_peak = 0
+            self._deferred_kept = 0       # deferred swaps that forward ended without
+            self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
+            self._retries_before = self.device.alloc_retries()
+            self._failures_before = self.device.alloc_failures()
+            self.compute = stream
+            self._compute_key = self.device.stream_key()
+            self._by_ptr.clear()
+            for i, s in enumerate(self._order):
+                s.index = i
+            self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
+            self._index = self._beyond_plan = 0
+            self._over = None
+            self._sigs = {}
+            self._largest = (0, 0)
+            if self.rebuilds is not None:
+                # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
+                # storages ]): their inputs are held until then, or until forward ends.
+                if self.rebuilds.holding:
+                    self.rebuilds.let_go()
+                self.rebuilds.holding = self.step.step == 1
+                # A planned step that offloads nothing rebuilds nothing: no recipes (each costs
+                # the op's dispatch through Python and objects for the collector: measured on an
+                # LM that fits its cap, 1.7x the step without lmsrt). Should it swap after all,
+                # it copies; the step after notes recipes again.
+                self.rebuilds.noting = not (self.plan.planned and self.plan.target == 0
+                                            and not self._swapped_last)
+            self.host.new_step()
+
+    def _begin_plan(self, first: int) -> None:
+        """The step's first saved storage: GPU use now is the base its policy plans from. (Not
+        at ``begin_forward``: under ``lmsrt run`` the first step begins with the script, before
+        its model exists, later steps with their first save; the first save is the same point
+        in every step either way.)"""
+        self._base = base = self.device.memory_allocated()
+        self._use_read, self._use_delta, self._use_age = base, 0, 0
+        policy, plan, step = self.policy, self.plan, self.step
+        policy.begin_step(plan, base, first)
+        self._rec = policy.recording
+        if self._rec is not None:
+            self.device.reset_peak()
+            self._rec_hold = self._hold()
+        step.plan_target_bytes = plan.target if plan.planned else 0
+        rebuilds = self.rebuilds
+        self._keeps_all = (plan.planned and plan.target == 0 and self._rec is None
+                           and (rebuilds is None or not (rebuilds.noting or rebuilds.holding)))
+        step.bound_bytes = self.mark
+        for name, value in policy.step_figures().items():
+            setattr(step, name, value)
+        if plan.planned:
+            self.host.reserve(plan.copied)         # rebuilt storages need no host memory
+
+    def end_forward(self) -> None:
+        """Forward is over: at ``with`` exit, or at the first unpack of a backward that follows
+        (under one ``with`` around a whole loop no exit marks it)."""
+        with self._lock:
+            if not self._forward_open:
+                return
+            self._forward_open = False
+            if self._armed:
+                self._absorb(entries=False)
+            if self.rebuilds is not None and self.rebuilds.holding:
+                self.rebuilds.holding = False
+                self.rebuilds.let_go()
+            if self._deferred:
+                self._end_deferred()
+            self._release_finished()
+            self._forward_end_use = self.device.memory_allocated() - self._held_bytes
+            self.step.forward_end_bytes = self._forward_end_use
+            self._by_ptr.clear()
+            self._cursor = len(self._order) - 1
+            self._bwd_point = 0
+            keeper = self._keeper and self._keeper()
+            if keeper is not None:
+                # Nothing to prefetch or record: kept handles need no Python in backward.
+                keeper.backward(self._cursor < 0 and self._rec is None)
+
+    def _finish_step(self) -> None:
+        s = self.step
+        s.gpu_peak_bytes = max(self.device.peak_allocated(), self._step_peak)
+        s.host_pinned_bytes = self.host.pinned_bytes
+        s.host_peak_bytes = self.host.peak_used
+        s.host_refused = self.host.refused
+        s.host_pin_s = self.host.pin_seconds
+        s.host_pin_wait_s = self.host.pin_wait_seconds
+        s.host_lagged = self.host.lagged
+        s.host_given_back_bytes = self.host.given_back_bytes
+        s.host_pins_in_flight = self.host.pins_in_flight
+        if self.memo is not None:
+            self.memo.saw(self.host.used_slabs())
+        self.host.refused = 0
+        self.host.peak_used = self.host.used_bytes
+        self._collect_waits(s)
+        s.alloc_retries = self.device.alloc_retries() - self._retries_before
+        s.mode = "plan" if self.plan.followed else "reactive"
+        s.alloc_failures = self.device.alloc_failures() - self._failures_before
+        if s.alloc_retries and s.mode == "plan" and not self.policy.auto:
+            self.diagnostics.alloc_retries(s)
+        if s.alloc_failures:
+            self.diagnostics.alloc_failures(s)
+        rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
+        followed = self.plan.finish_step(rebuildable)
+        self._swapped_last = s.out_bytes + s.recipe_bytes + self._deferred_kept
+        s.beyond_plan_bytes = self._beyond_plan if s.mode == "plan" else 0
+        self.policy.finish_step(self.plan, followed=followed,
+                                forward_end_use=self._forward_end_use,
+                                swapped=self._swapped_last,
+                                beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
+                                retries=s.alloc_retries, failures=s.alloc_failures,
+                                over=self._over)
+        s.policy_note = self.policy.note()
+        self._rec = None
+        self.run_stats.add(s)
+        self.device.reset_peak()
+
+    def _finish_rebuilds(self, s: StepStats) -> set:
+        """Read the step's bitwise checks and rebuild times; return the forward points whose
+        storages the next step may rebuild (for the plan)."""
+        s.rebuild_ms, s.rebuild_checks, mismatched = self.rebuilds.finish_step()
+        if mismatched:
+            self.diagnostics.rebuild_mismatch(mismatched)
+        trusted = self.rebuilds.trusted
+        return {i for i, sig in self._sigs.items() if sig in trusted}
+
+    def current_step(self) -> StepStats:
+        """The step in flight, with its peaks read now."""
+        s = self.step
+        if self._armed:
+            with self._lock:
+                self._absorb(entries=True)
+        if s.step:
+            s.mode = self.plan.mode
+            s.gpu_peak_bytes = self.device.peak_allocated()
+            s.host_pinned_bytes = self.host.pinned_bytes
+            s.host_peak_bytes = self.host.peak_used
+            s.host_refused = self.host.refused
+            s.host_pin_s = self.host.pin_seconds
+            s.host_pin_wait_s = self.host.pin_wait_seconds
+            s.host_lagged = self.host.lagged
+            s.host_given_back_bytes = self.host.given_back_bytes
+            s.host_pins_in_flight = self.host.pins_in_flight
+            self._collect_waits(s)
+        return s
+
+    def _collect_waits(self, s: StepStats) -> None:
+        pending = []
+        for start, end in self._timed_waits:
+            if end.query():
+                s.swapin_wait_ms += start.elapsed_time(end)
+            else:
+                pending.append((start, end))
+        self._timed_waits = pending
+
