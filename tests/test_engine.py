@@ -137,7 +137,7 @@ def test_first_step_swaps_all_then_plan_offloads_earliest(copy_lag):
 
     def spy(*args):
         s = swap_out(*args)
-        order.append(engine._index - 1)            # index of the storage in this forward
+        order.append(engine.state.index - 1)            # index of the storage in this forward
         return s
 
     engine._swap_out = spy
@@ -148,7 +148,7 @@ def test_first_step_swaps_all_then_plan_offloads_earliest(copy_lag):
         assert_same(ref, train_step(model, x, lms=lms))
         history.append((lms.stats()["last_step"]["mode"], list(order)))
     mode1, first = history[0]
-    assert mode1 == "reactive" and first == list(range(engine._index)), history
+    assert mode1 == "reactive" and first == list(range(engine.state.index)), history
     # Storage 0 is the input batch and the last one the output train_step holds, both alive
     # through backward anyway: swapping them frees nothing, so from step 2 they stay
     # (live_tensors); the plan swaps a prefix of the rest.

@@ -107,7 +107,7 @@ def _side_by_side(native_module, steps, before_step=None, capacity=1 << 30):
         if lms is not None:
             # GPU use read at every decision, as on a GPU with the copy path built (the
             # simulated device's reading would otherwise be estimated between readings).
-            lms._engine._exact_every = 0
+            lms._engine.gauge.every = 0
         net = Net(device)
         hook = None if before_step is None else (lambda i, net=net: before_step(i, net))
         runs[name] = (_run(net, lms, x, steps, hook), lms)

@@ -377,7 +377,7 @@ def _check_soak(kind, steps):
             assert engine.host.used_bytes == 0 and not engine._order and not engine._dead
             use = engine.device.memory_allocated()
             out = model(inputs[shape])
-        assert not engine._by_ptr
+        assert not engine.state.by_ptr
         loss = out.float().square().mean()
         loss.backward()
         assert_same(refs[shape], (loss.detach(), [p.grad for p in model.parameters()]))

@@ -19,17 +19,17 @@ class UnpackSide:
     def unpack(self, ref):
         if self._forward_open:
             self.end_forward()
-        if self._rec is None:
+        if self.state.rec is None:
             try:
                 return self._unpack(ref)
             finally:
-                self._bwd_point += 1
+                self.state.bwd_point += 1
         with self._lock:                        # a recorded step (policy.py, NOTE [ Auto ])
             self._record(True)
             try:
                 return self._unpack(ref)
             finally:
-                self._bwd_point += 1
+                self.state.bwd_point += 1
                 self._recorded()
 
     def _unpack(self, ref):
@@ -64,8 +64,8 @@ class UnpackSide:
                 raise
             if s.check:
                 self._check_rebuild(s, data)
-            if self._rec is not None:
-                self._rec.used_at(s.seq, self._bwd_point)
+            if self.state.rec is not None:
+                self.state.rec.used_at(s.seq, self.state.bwd_point)
             watch = ref.watch
             if watch.generation != s.generation:       # a handle counts once per restored copy
                 watch.generation = s.generation
@@ -165,7 +165,7 @@ class UnpackSide:
         s.generation += 1
         s.gpu = gpu
         self._ahead += s.nbytes
-        self._use_delta += s.nbytes
+        self.gauge.delta += s.nbytes
         self.step.in_bytes += s.nbytes
         self.step.in_tensors += 1
 

@@ -6,7 +6,34 @@ import threading
 
 from ..stats import StepStats
 
-__all__ = ["StepBoundaries"]      # a room of SwapEngine (core.py)
+__all__ = ["StepBoundaries", "StepState"]      # a room of SwapEngine (core.py)
+
+
+class StepState:
+    """What the engine knows of the step in flight. Made afresh as each step begins
+    (``begin_forward``), so nothing of a step outlives it by being forgotten in a reset."""
+
+    __slots__ = ("index", "by_ptr", "base", "keeps_all", "largest", "sigs", "beyond_plan", "over",
+                 "rec", "rec_lmsrt", "step_peak", "deferred_kept", "forward_end_use", "bwd_point",
+                 "retries_before", "failures_before")
+
+    def __init__(self, retries_before: int = 0, failures_before: int = 0):
+        self.index = 0                 # storages saved in this forward
+        self.by_ptr: dict = {}         # storage address -> Offloaded/Kept, for this forward
+        self.base = None               # GPU use at the step's first save (None: not yet)
+        self.keeps_all = False         # the step's plan keeps everything (set at its first save)
+        self.largest = (0, 0)          # (bytes, save index) of this forward's largest storage
+        self.sigs: dict = {}           # forward point -> signature of its recipe
+        self.beyond_plan = 0           # bytes swapped beyond the plan
+        self.over = None               # (forward point, GPU use there) of the first of them
+        self.rec = None                # the policy's Profile, while this step is recorded
+        self.rec_lmsrt = 0             # lmsrt's bytes at the last recorded point
+        self.step_peak = 0             # highest peak read before a reset inside this step
+        self.deferred_kept = 0         # deferred swaps that forward ended without
+        self.forward_end_use = 0       # GPU use when forward ended, net of copies in flight
+        self.bwd_point = 0             # unpacks so far in this backward (the policy's point j)
+        self.retries_before = retries_before      # the allocator's retry count as it began
+        self.failures_before = failures_before    # and its count of failed allocations
 
 
 class StepBoundaries:
@@ -42,26 +69,16 @@ class StepBoundaries:
             self._forward_open = True
             if self.step.step:
                 self._finish_step()
-            self._base = None
-            self._keeps_all = False
             keeper = self._keeper and self._keeper()
             if keeper is not None:
                 keeper.backward(False)    # unpacks go to Python until forward ends
-            self._step_peak = 0
-            self._deferred_kept = 0       # deferred swaps that forward ended without
             self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
-            self._retries_before = self.device.alloc_retries()
-            self._failures_before = self.device.alloc_failures()
+            self.state = StepState(self.device.alloc_retries(), self.device.alloc_failures())
             self.compute = stream
             self._compute_key = self.device.stream_key()
-            self._by_ptr.clear()
             for i, s in enumerate(self._order):
                 s.index = i
             self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
-            self._index = self._beyond_plan = 0
-            self._over = None
-            self._sigs = {}
-            self._largest = (0, 0)
             if self.rebuilds is not None:
                 # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
                 # storages ]): their inputs are held until then, or until forward ends.
@@ -81,17 +98,17 @@ class StepBoundaries:
         at ``begin_forward``: under ``lmsrt run`` the first step begins with the script, before
         its model exists, later steps with their first save; the first save is the same point
         in every step either way.)"""
-        self._base = base = self.device.memory_allocated()
-        self._use_read, self._use_delta, self._use_age = base, 0, 0
+        self.state.base = base = self.device.memory_allocated()
+        self.gauge.restart(base)
         policy, plan, step = self.policy, self.plan, self.step
         policy.begin_step(plan, base, first)
-        self._rec = policy.recording
-        if self._rec is not None:
+        self.state.rec = policy.recording
+        if self.state.rec is not None:
             self.device.reset_peak()
-            self._rec_hold = self._hold()
+            self.state.rec_lmsrt = self._lmsrt_bytes()
         step.plan_target_bytes = plan.target if plan.planned else 0
         rebuilds = self.rebuilds
-        self._keeps_all = (plan.planned and plan.target == 0 and self._rec is None
+        self.state.keeps_all = (plan.planned and plan.target == 0 and self.state.rec is None
                            and (rebuilds is None or not (rebuilds.noting or rebuilds.holding)))
         step.bound_bytes = self.mark
         for name, value in policy.step_figures().items():
@@ -114,19 +131,19 @@ class StepBoundaries:
             if self._deferred:
                 self._end_deferred()
             self._release_finished()
-            self._forward_end_use = self.device.memory_allocated() - self._held_bytes
-            self.step.forward_end_bytes = self._forward_end_use
-            self._by_ptr.clear()
+            self.state.forward_end_use = self.device.memory_allocated() - self._held_bytes
+            self.step.forward_end_bytes = self.state.forward_end_use
+            self.state.by_ptr.clear()
             self._cursor = len(self._order) - 1
-            self._bwd_point = 0
+            self.state.bwd_point = 0
             keeper = self._keeper and self._keeper()
             if keeper is not None:
                 # Nothing to prefetch or record: kept handles need no Python in backward.
-                keeper.backward(self._cursor < 0 and self._rec is None)
+                keeper.backward(self._cursor < 0 and self.state.rec is None)
 
     def _finish_step(self) -> None:
         s = self.step
-        s.gpu_peak_bytes = max(self.device.peak_allocated(), self._step_peak)
+        s.gpu_peak_bytes = max(self.device.peak_allocated(), self.state.step_peak)
         s.host_pinned_bytes = self.host.pinned_bytes
         s.host_peak_bytes = self.host.peak_used
         s.host_refused = self.host.refused
@@ -140,25 +157,25 @@ class StepBoundaries:
         self.host.refused = 0
         self.host.peak_used = self.host.used_bytes
         self._collect_waits(s)
-        s.alloc_retries = self.device.alloc_retries() - self._retries_before
+        s.alloc_retries = self.device.alloc_retries() - self.state.retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
-        s.alloc_failures = self.device.alloc_failures() - self._failures_before
+        s.alloc_failures = self.device.alloc_failures() - self.state.failures_before
         if s.alloc_retries and s.mode == "plan" and not self.policy.auto:
             self.diagnostics.alloc_retries(s)
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         followed = self.plan.finish_step(rebuildable)
-        self._swapped_last = s.out_bytes + s.recipe_bytes + self._deferred_kept
-        s.beyond_plan_bytes = self._beyond_plan if s.mode == "plan" else 0
+        self._swapped_last = s.out_bytes + s.recipe_bytes + self.state.deferred_kept
+        s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
         self.policy.finish_step(self.plan, followed=followed,
-                                forward_end_use=self._forward_end_use,
+                                forward_end_use=self.state.forward_end_use,
                                 swapped=self._swapped_last,
-                                beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
+                                beyond_plan=self.state.beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures,
-                                over=self._over)
+                                over=self.state.over)
         s.policy_note = self.policy.note()
-        self._rec = None
+        self.state.rec = None
         self.run_stats.add(s)
         self.device.reset_peak()
 
@@ -169,7 +186,7 @@ class StepBoundaries:
         if mismatched:
             self.diagnostics.rebuild_mismatch(mismatched)
         trusted = self.rebuilds.trusted
-        return {i for i, sig in self._sigs.items() if sig in trusted}
+        return {i for i, sig in self.state.sigs.items() if sig in trusted}
 
     def current_step(self) -> StepStats:
         """The step in flight, with its peaks read now."""

@@ -17,10 +17,11 @@ from ..policy import make_policy
 from ..rebuild import Rebuilds
 from ..stats import RunStats, StepStats
 from .backward import UnpackSide
-from .boundaries import StepBoundaries
+from .boundaries import StepBoundaries, StepState
 from .copies import NativeCopies, TorchCopies, finish_copies
 from .deferred import DeferredCopies
-from .forward import _EXACT_EVERY, PackSide
+from .forward import PackSide
+from .gauge import EXACT_EVERY, GpuGauge
 from .native import NativeHandOver
 from .prefetch import Prefetch
 from .recipes import RecipeOffload
@@ -54,13 +55,14 @@ class SwapEngine(StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOu
         self._copies = (NativeCopies(self._native, self.d2h, self.h2d) if self._native
                         else TorchCopies(device, self.d2h, self.h2d))
         # An exact reading of GPU use is cheap natively: no need to estimate between readings.
-        self._exact_every = 0 if self._native else _EXACT_EVERY
+        self.gauge = GpuGauge(device, 0 if self._native else EXACT_EVERY)
         self.compute = device.current_stream()
         self._compute_key = device.stream_key()
         self.host = HostPool(device, config.host_budget_bytes)
         self.plan = OffloadPlan()
         self.run_stats = RunStats()
         self.step = StepStats()
+        self.state = StepState()          # made afresh as each step begins
         self.limit = device.memory_limit()
         # What the last run of this command used starts pinning now (cache.py, NOTE [ Pinning
         # ahead ]).
@@ -77,40 +79,21 @@ class SwapEngine(StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOu
         entry_of = weakref.WeakMethod(self._entry_of)
         self.rebuilds = (Rebuilds(device, lambda t: (entry_of() or _no_entry)(t))
                          if config.recompute else None)
-        self._sigs: dict = {}           # forward point -> signature of its recipe, this step
         self._lock = threading.RLock()
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
         self._deferred: collections.deque = collections.deque()   # waiting for a pin to copy out
-        self._deferred_kept = 0
         self._swapped_last = 0          # bytes the last finished step swapped or rebuilt
         self._held_bytes = 0
-        self._by_ptr: dict = {}        # storage address -> Offloaded/Kept, for this forward
         self._order: List[Offloaded] = []   # swapped storages in save order, for prefetch
         self._cursor = -1              # next candidate in _order to prefetch (walks down)
         self._ahead = 0                # restored bytes not yet used
-        self._index = 0                # storages saved in this forward
-        self._beyond_plan = 0          # bytes swapped beyond the plan this step
-        self._over = None              # (forward point, GPU use there) of the first of them
-        self._bwd_point = 0            # unpacks so far in this backward (the policy's point j)
-        self._base = None              # GPU use at this step's first save (None: not yet)
-        self._step_peak = 0            # highest peak read before a reset inside this step
-        self._rec = None               # the policy's Profile, while this step is recorded
-        self._rec_hold = 0             # what lmsrt held since the last recorded point
-        self._forward_end_use = 0      # GPU use when forward ended, net of copies in flight
         self._timed_waits: list = []
         self._after_backward: set = set()  # threads whose saved tensors backward has used since
         self._stale_hooks: set = set()     # threads whose hooks an exit in backward left pushed
         self._forward_open = False     # packs of this step's forward may still come
-        self._use_read = 0             # GPU use at the last exact reading
-        self._use_delta = 0            # bytes lmsrt added (+) or released (-) since that reading
-        self._use_age = self._exact_every   # estimates given since that reading
-        self._largest = (0, 0)         # (bytes, save index) of this forward's largest storage
-        self._keeps_all = False        # this step's plan keeps everything (set at its first save)
         self._keeper = None            # weak reference to the C++ hooks (native_hooks), if any
         self._armed = False            # they decide this step's packs (NOTE [ Steps that ... ])
-        self._retries_before = 0       # the allocator's retry count when this step began
-        self._failures_before = 0      # and its count of failed allocations
         self.diagnostics = Diagnostics()   # one-time warnings, out-of-memory text
         self.step_listeners: list = []  # called with the step number as each step begins
         self.closed = False
@@ -134,7 +117,7 @@ class SwapEngine(StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOu
         self.diagnostics.annotate_oom(
             exc, where, config=self.config, policy=self.policy, step=self.step,
             allocated=device.memory_allocated(),
-            peak=max(device.peak_allocated(), self._step_peak), limit=self.limit,
-            largest=self._largest, host_refused=self.host.refused)
+            peak=max(device.peak_allocated(), self.state.step_peak), limit=self.limit,
+            largest=self.state.largest, host_refused=self.host.refused)
 
 

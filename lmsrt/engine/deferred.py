@@ -41,7 +41,7 @@ class DeferredCopies:
     def _settle_deferred(self) -> None:
         """Copy out deferred storages whose pins have landed; all of them, waiting for their
         pins, once GPU use passes a quarter of the limit."""
-        if self._use_read + self._use_delta > self.limit >> _DEFER_SHIFT:
+        if self.gauge.estimate() > self.limit >> _DEFER_SHIFT:
             self._copy_deferred(wait=True)
         elif self.host.pins_landed:
             self._copy_deferred(wait=False)
@@ -57,7 +57,7 @@ class DeferredCopies:
                 if not s.dead and s.source is not None:
                     self.step.kept_bytes += s.nbytes
                     self.step.kept_tensors += 1
-                    self._deferred_kept += s.nbytes
+                    self.state.deferred_kept += s.nbytes
         finally:
             self._deferred.clear()
 

@@ -63,18 +63,18 @@ class NativeHandOver:
             return
         plan, policy = self.plan, self.policy
         sizes = plan.sequence
-        keeper.arm(sizes, policy.swap_levels(plan, len(sizes)), list(plan.live), self._index)
+        keeper.arm(sizes, policy.swap_levels(plan, len(sizes)), list(plan.live), self.state.index)
         self._armed = True
 
     def _absorb(self, entries: bool) -> None:
         """Take over what the C++ hooks decided since they were armed (``entries``: the storages
         they kept, for the rest of this forward), and disarm them for the rest of the step."""
-        self._armed = self._keeps_all = False
+        self._armed = self.state.keeps_all = False
         index, recorded, kept, counts, largest = self._keeper().take(entries)
-        self._index = index
+        self.state.index = index
         self.plan.current.extend(recorded)
         for storage, version in kept:
-            self._by_ptr[storage.data_ptr()] = Kept(weakref.ref(storage), version)
+            self.state.by_ptr[storage.data_ptr()] = Kept(weakref.ref(storage), version)
         s = self.step
         kept_bytes, kept_tensors, live_bytes, live_tensors, skipped = counts
         s.kept_bytes += kept_bytes
@@ -82,10 +82,10 @@ class NativeHandOver:
         s.live_bytes += live_bytes
         s.live_tensors += live_tensors
         s.skipped_tensors += skipped
-        self._use_delta += kept_bytes + live_bytes
-        self._use_age = self._exact_every      # the next decision reads GPU use afresh
-        if largest[0] > self._largest[0]:
-            self._largest = tuple(largest)
+        self.gauge.delta += kept_bytes + live_bytes
+        self.gauge.stale()      # the next decision reads GPU use afresh
+        if largest[0] > self.state.largest[0]:
+            self.state.largest = tuple(largest)
 
 
 

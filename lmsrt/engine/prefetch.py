@@ -29,7 +29,7 @@ class Prefetch:
         Backward does not walk the save order strictly downwards (inside a block it jumps about),
         so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order = self._order
-        level = self.policy.fetch_to(self.plan, self._bwd_point)
+        level = self.policy.fetch_to(self.plan, self.state.bwd_point)
         learning = not level and self.policy.auto
         if self._held:
             # Sources whose copies still run when backward begins (forward ends faster than
@@ -37,7 +37,7 @@ class Prefetch:
             # first transient (an LM's logits gradient) met them (an LM at 18 GiB, 2 runs in 5).
             # Let them go by the level that leaves room for the peaks to come (Rule 2).
             self._release_finished()
-            self._bound_held(self._gpu_use(0, level), level)
+            self._bound_held(self.gauge.use(0, level), level)
         if self._ahead and level and self.policy.auto and self.plan.mode == "plan":
             self._shed(level + (self.policy.headroom >> 1))
         while self._cursor >= 0:
@@ -47,9 +47,9 @@ class Prefetch:
                 self._cursor -= 1
                 continue
             if (self._ahead or level) and (self._ahead + s.nbytes > self.window
-                                           or self._gpu_use(s.nbytes, level) + s.nbytes > level):
+                                           or self.gauge.use(s.nbytes, level) + s.nbytes > level):
                 break
-            if learning and self._gpu_use(s.nbytes, self.limit >> _DEFER_SHIFT) + s.nbytes > (
+            if learning and self.gauge.use(s.nbytes, self.limit >> _DEFER_SHIFT) + s.nbytes > (
                     self.limit >> _DEFER_SHIFT):
                 break
             try:
@@ -69,7 +69,7 @@ class Prefetch:
         algorithm for the rest of the run). Give back the restored copies not yet used, those
         needed last first, until use is within the level; they are fetched again later (clean
         copies: their bytes are still in host memory)."""
-        use = self._gpu_use(0, level)
+        use = self.gauge.use(0, level)
         order = self._order
         for k in range(self._cursor + 1, len(order)):      # ascending: needed last first
             if use <= level or not self._ahead:
@@ -80,7 +80,7 @@ class Prefetch:
                 continue
             self._order_after(s, s.fetch_done)                 # Rule 4
             self._drop_restored(s)
-            self._use_delta -= s.nbytes
+            self.gauge.delta -= s.nbytes
             use -= s.nbytes
             self._cursor = max(self._cursor, k)
             self.step.prefetch_dropped += 1

@@ -65,7 +65,7 @@ class RecipeOffload:
             self.rebuilds.check_now(recipe, storage, self._input_at_hand)
         except Exception:       # noqa: BLE001 - only a check: backward checks it instead
             pass
-        self._use_read, self._use_delta, self._use_age = self.device.memory_allocated(), 0, 0
+        self.gauge.read_now()
 
     @staticmethod
     def _input_at_hand(inp) -> Optional[torch.Tensor]:
@@ -97,7 +97,7 @@ class RecipeOffload:
         """What this forward made of saved tensor ``t``'s storage (a recorder asks, for the
         inputs of the ops it records), or None."""
         storage = t.untyped_storage()
-        entry = self._by_ptr.get(storage.data_ptr())
+        entry = self.state.by_ptr.get(storage.data_ptr())
         if (entry is None or entry.dead or entry.storage_ref() is not storage
                 or entry.version != t._version):
             return None
@@ -158,7 +158,7 @@ class RecipeOffload:
         s.gpu = bytes_of(storage)
         s.generation += 1
         self._ahead += s.nbytes
-        self._use_delta += s.nbytes
+        self.gauge.delta += s.nbytes
         self.step.rebuilt_bytes += s.nbytes
         self.step.rebuilt_tensors += 1
 

@@ -31,7 +31,7 @@ class SwapOut:
         # pins were started at its beginning, and whose plan counts on each source's drop), it
         # is deferred instead (NOTE [ Deferred copies ]). Elsewhere (a later reactive step with
         # room) the tensor stays on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
-        limit, use = self.limit, self._use_read + self._use_delta      # no new reading
+        limit, use = self.limit, self.gauge.estimate()      # no new reading
         planned = self.plan.mode == "plan"
         wait = planned or not self.policy.may_lag(self.plan) or use > limit - (limit >> 3)
         if (wait and not planned and self._forward_open and key == self._compute_key
@@ -109,6 +109,6 @@ class SwapOut:
             self._held_bytes -= s.nbytes
             s.counter = counter_only(source)   # NOTE [ Interrupts and versions ], c
             del source
-            if self._rec is not None and s.storage_ref() is not None:
-                self._rec.own_from(s.seq)       # held on by the model: its own use from here
+            if self.state.rec is not None and s.storage_ref() is not None:
+                self.state.rec.own_from(s.seq)       # held on by the model: its own use from here
 
