@@ -119,11 +119,7 @@ class Diagnostics:
         if getattr(exc, "_lmsrt_annotated", False):
             return
         exc._lmsrt_annotated = True
-        if policy.auto:
-            level = "lms_frac=auto (below)"
-        else:
-            level = (f"swapping starts at {format_bytes(policy.mark)} "
-                     f"(lms_frac={config.lms_frac:g})")
+        level = policy.oom_level(config)
         largest_bytes, largest_index = largest
         lines = [
             f"lmsrt: out of GPU memory with LMS on, {where}.",
@@ -143,23 +139,14 @@ class Diagnostics:
             lines.append("  Copies to host memory failed (see the warning given then), so those "
                          "tensors stayed on the GPU.")
         lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KB) so smaller tensors go too"
-        at_most = policy.auto and policy.learning or not policy.auto and policy.mark == 0
-        if at_most and config.min_bytes <= MiB:
+        if policy.swaps_everything() and config.min_bytes <= MiB:
             lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 KB): "
                          "what is left is one layer's working set, parameters, gradients and "
                          "optimizer state. Lower the batch size, checkpoint activations "
                          "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
                          "layer.")
-        elif policy.auto:
-            lines.append(f"  To fit: {lms}; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-                         "against fragmentation; or give a fixed lms_frac "
-                         f"({spelled('lms_frac', 0.5)}, say) to swap from a mark you choose.")
         else:
-            lines.append(f"  To fit: lower lms_frac ({spelled('lms_frac')}, now "
-                         f"{config.lms_frac:g}) so swapping starts earlier; {lms}; set "
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
-                         "fragmentation; or run `lmsrt profile` to see the largest layer's "
-                         "working set, below which no offload goes.")
+            lines.append(policy.oom_to_fit(config, lms))
         message = "\n".join(lines)
         first = str(exc.args[0]) if exc.args else ""
         exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])

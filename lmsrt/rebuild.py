@@ -33,8 +33,12 @@ import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
-                                         _get_current_dispatch_mode, _pop_mode)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+    _pop_mode,
+)
 
 from .options import spelled
 

@@ -25,7 +25,7 @@ __all__ = ["command", "collect"]
 
 def _driver_version() -> str:
     try:
-        import pynvml   # from nvidia-ml-py; imported here, as it is needed only here
+        import pynvml  # from nvidia-ml-py; imported here, as it is needed only here
     except ImportError as e:
         return f"unavailable (pynvml: {e}; pip install nvidia-ml-py)"
     try:
@@ -103,8 +103,8 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     import torch
 
     from .. import __version__, arena, copy_path
-    from ..launch.session import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
     from ..config import ENV_VARS
+    from ..launch.session import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
 
     cuda = torch.cuda.is_available()
     data: Dict[str, object] = {

@@ -17,9 +17,20 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from ..launch.tuning import (BISECT_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
-                             compare_auto, pareto_front, reference_lms, run_command, write_plot,
-                             write_results)
+from ..launch.tuning import (
+    BISECT_FRACS,
+    GRID_FRACS,
+    Sweep,
+    Trial,
+    best_trial,
+    check_out_dir,
+    compare_auto,
+    pareto_front,
+    reference_lms,
+    run_command,
+    write_plot,
+    write_results,
+)
 from ..options import AUTO, OPTIONS, format_setting, setting_range
 from ..units import format_bytes
 from ._types import Number

@@ -98,18 +98,19 @@ class StepBoundaries:
         at ``begin_forward``: under ``lmsrt run`` the first step begins with the script, before
         its model exists, later steps with their first save; the first save is the same point
         in every step either way.)"""
-        self.state.base = base = self.device.memory_allocated()
+        st = self.state
+        st.base = base = self.device.memory_allocated()
         self.gauge.restart(base)
         policy, plan, step = self.policy, self.plan, self.step
         policy.begin_step(plan, base, first)
-        self.state.rec = policy.recording
-        if self.state.rec is not None:
+        st.rec = policy.recording
+        if st.rec is not None:
             self.device.reset_peak()
-            self.state.rec_lmsrt = self._lmsrt_bytes()
+            st.rec_lmsrt = self._lmsrt_bytes()
         step.plan_target_bytes = plan.target if plan.planned else 0
         rebuilds = self.rebuilds
-        self.state.keeps_all = (plan.planned and plan.target == 0 and self.state.rec is None
-                           and (rebuilds is None or not (rebuilds.noting or rebuilds.holding)))
+        st.keeps_all = (policy.lean_step(plan)
+                        and (rebuilds is None or not (rebuilds.noting or rebuilds.holding)))
         step.bound_bytes = self.mark
         for name, value in policy.step_figures().items():
             setattr(step, name, value)
@@ -160,7 +161,7 @@ class StepBoundaries:
         s.alloc_retries = self.device.alloc_retries() - self.state.retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
         s.alloc_failures = self.device.alloc_failures() - self.state.failures_before
-        if s.alloc_retries and s.mode == "plan" and not self.policy.auto:
+        if s.alloc_retries and s.mode == "plan" and not self.policy.adapts_to_retries:
             self.diagnostics.alloc_retries(s)
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)

@@ -105,8 +105,7 @@ class SwapEngine(StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOu
     def mark(self) -> int:
         """Use above which swapping starts: lms_frac x the limit, or under lms_frac="auto" the
         bound the policy keeps predicted peaks under."""
-        policy = self.policy
-        return policy.bound if policy.auto else policy.mark
+        return self.policy.bound
 
     # -- what goes wrong (its texts: diagnostics.py) -----------------------------------------
 

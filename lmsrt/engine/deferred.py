@@ -1,17 +1,19 @@
-"""NOTE [ Deferred copies ]
+"""Copies started later, once their pins land, so that forward need not wait for pinning.
+
+NOTE [ Deferred copies ]
 A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait for
 the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the pinning,
 on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step (whose plan counts
 on each source's drop at its point), while GPU use is under a quarter of the limit, it waits for
 nothing: the storage is swapped later (``_defer``), its source held by lmsrt (counted in
 ``_held_bytes``; a recorded profile counts it as the model's own, as the model may well still use
-it meanwhile: ``_hold``) and its copy started in save order once pins land (checked at each save).
+it meanwhile: ``_lmsrt_bytes``) and its copy started in save order once pins land (checked at each save).
 Once use passes the quarter, the remaining deferred copies start first, waiting for their pins, so
 the step holds no more than it would have. When forward ends, those still without a pin start too,
 waiting, unless use is under 1/16 of the limit: then they stay on the GPU for backward (counted as
 kept), where there is room (a backward needing 15x its forward's end use is not a real model), and
 waiting would stall the step for copies that free nothing in time. Unpack reads a held source as it
-reads any other."""
+reads any other. (The quarter and the 1/16 are the policy's: ``may_defer``, ``may_keep_deferred``.)"""
 from __future__ import annotations
 
 import torch
@@ -20,7 +22,6 @@ from .records import Offloaded
 
 __all__ = ["DeferredCopies"]      # a room of SwapEngine (core.py)
 
-_DEFER_SHIFT = 2             # swaps are deferred while GPU use is under limit >> this
 
 class DeferredCopies:
     """Deferred copies of a ``SwapEngine``."""
@@ -40,19 +41,20 @@ class DeferredCopies:
 
     def _settle_deferred(self) -> None:
         """Copy out deferred storages whose pins have landed; all of them, waiting for their
-        pins, once GPU use passes a quarter of the limit."""
-        if self.gauge.estimate() > self.limit >> _DEFER_SHIFT:
+        pins, once GPU use passes what the policy defers under (``may_defer``)."""
+        if not self.policy.may_defer(self.gauge.estimate()):
             self._copy_deferred(wait=True)
         elif self.host.pins_landed:
             self._copy_deferred(wait=False)
 
     def _end_deferred(self) -> None:
         """Forward is over: deferred storages still without a pin stay on the GPU for backward
-        while use is under 1/16 of the limit (waiting would stall the step for copies that free
-        nothing in time); over it, their copies start, waiting for the pins (backward's own
-        use is not known, least of all in the learning step)."""
+        where the policy allows it (``may_keep_deferred``: waiting would stall the step for copies
+        that free nothing in time); elsewhere their copies start, waiting for the pins
+        (backward's own use is not known, least of all in the learning step)."""
         try:
-            self._copy_deferred(wait=self.device.memory_allocated() > self.limit >> 4)
+            self._copy_deferred(
+                wait=not self.policy.may_keep_deferred(self.device.memory_allocated()))
             for s in self._deferred:
                 if not s.dead and s.source is not None:
                     self.step.kept_bytes += s.nbytes

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .deferred import _DEFER_SHIFT
-
 __all__ = ["Prefetch"]      # a room of SwapEngine (core.py)
 
 
@@ -28,9 +26,9 @@ class Prefetch:
         backward took 1.5 s instead of 0.33 s).
         Backward does not walk the save order strictly downwards (inside a block it jumps about),
         so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
-        order = self._order
-        level = self.policy.fetch_to(self.plan, self.state.bwd_point)
-        learning = not level and self.policy.auto
+        order, policy = self._order, self.policy
+        level = policy.fetch_to(self.plan, self.state.bwd_point)
+        cap = policy.lone_fetch_under(level)
         if self._held:
             # Sources whose copies still run when backward begins (forward ends faster than
             # the last copies go out) are lmsrt's bytes that no prediction counts: backward's
@@ -38,8 +36,10 @@ class Prefetch:
             # Let them go by the level that leaves room for the peaks to come (Rule 2).
             self._release_finished()
             self._bound_held(self.gauge.use(0, level), level)
-        if self._ahead and level and self.policy.auto and self.plan.mode == "plan":
-            self._shed(level + (self.policy.headroom >> 1))
+        if self._ahead:
+            shed = policy.shed_to(self.plan, level)
+            if shed:
+                self._shed(shed)
         while self._cursor >= 0:
             s = order[self._cursor]
             if (s.dead or s.consumed or s.gpu is not None or s.source is not None
@@ -49,8 +49,7 @@ class Prefetch:
             if (self._ahead or level) and (self._ahead + s.nbytes > self.window
                                            or self.gauge.use(s.nbytes, level) + s.nbytes > level):
                 break
-            if learning and self.gauge.use(s.nbytes, self.limit >> _DEFER_SHIFT) + s.nbytes > (
-                    self.limit >> _DEFER_SHIFT):
+            if cap and self.gauge.use(s.nbytes, cap) + s.nbytes > cap:
                 break
             try:
                 self._fetch(s)

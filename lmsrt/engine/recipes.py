@@ -53,13 +53,12 @@ class RecipeOffload:
 
     def _check_now(self, recipe, storage, nbytes: int) -> None:
         """Check ``recipe`` against the ``storage`` it made while both are at hand, if a rebuild
-        fits beside what is allocated (within 1/16 of the limit): then no copy goes out for a
+        fits beside what is allocated (``policy.check_fits``): then no copy goes out for a
         check in backward (NOTE [ Rebuilt storages ]). A rebuild may need up to ~3x ``nbytes``
         at once (an autocast cast rebuilt from a LayerNorm's fp32 output, which is rebuilt
         first; the comparison's mask). An input no longer on the GPU, or anything else that
         fails it, leaves the check to backward."""
-        limit = self.limit
-        if self.device.memory_allocated() + 4 * nbytes > limit - (limit >> 4):
+        if not self.policy.check_fits(self.device.memory_allocated() + 4 * nbytes):
             return
         try:
             self.rebuilds.check_now(recipe, storage, self._input_at_hand)

@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 
 from ..host import HostSlot
-from .deferred import _DEFER_SHIFT
 from .records import Offloaded, counter_only
 
 __all__ = ["SwapOut"]      # a room of SwapEngine (core.py)
@@ -26,16 +25,16 @@ class SwapOut:
         stream = self.compute if key == self._compute_key else self.device.stream_of(key)
         # A swap waits for a pin under way where keeping the tensor would undo what the policy
         # counts on: a planned step; a step that must hold the least (the first, in which cuDNN
-        # picks its algorithms for the run by the memory free then: policy.may_lag); or use
-        # within 1/8 of the limit. Under a quarter of the limit, outside a planned step (whose
+        # picks its algorithms for the run by the memory free then), or near the limit: the
+        # policy says (``must_wait``). Where the policy allows it, outside a planned step (whose
         # pins were started at its beginning, and whose plan counts on each source's drop), it
         # is deferred instead (NOTE [ Deferred copies ]). Elsewhere (a later reactive step with
         # room) the tensor stays on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
-        limit, use = self.limit, self.gauge.estimate()      # no new reading
+        use, policy = self.gauge.estimate(), self.policy      # no new reading
         planned = self.plan.mode == "plan"
-        wait = planned or not self.policy.may_lag(self.plan) or use > limit - (limit >> 3)
+        wait = planned or policy.must_wait(self.plan, use)
         if (wait and not planned and self._forward_open and key == self._compute_key
-                and use <= limit >> _DEFER_SHIFT):
+                and policy.may_defer(use)):
             refused = self.host.refused
             slot = self.host.alloc(nbytes, wait=False)
             if slot is None:
