@@ -1,4 +1,5 @@
-"""Pinned host memory at lmsrt's default settings (or a given --lms-frac): pinned against used, first step against settled.
+"""Pinned host memory at lmsrt's default settings (or a given --lms-frac): pinned against used,
+first step against settled.
 
     python benchmarks/pinning.py                                  # gpt at 12 GiB, lm at 14 GiB
     python benchmarks/pinning.py --workloads lm --cap-gib 14 --out results/
@@ -60,10 +61,11 @@ def _pool_figures(pool) -> dict:
 def child(workload: str, method: str, cap_gib: float, steps: int, lms_frac=None,
           pins_dir: str = "", prime: bool = False) -> dict:
     import torch
-    import lmsrt
-    import lmsrt.cache
     from offload import _bandwidth
     from workloads import build
+
+    import lmsrt
+    import lmsrt.cache
 
     if pins_dir:                 # the records of this benchmark's runs, not the user's
         lmsrt.cache.pins_dir = lambda: pins_dir

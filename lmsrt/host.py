@@ -43,7 +43,6 @@ import collections
 import os
 import threading
 import time
-import warnings
 import weakref
 from typing import Deque, List, Optional
 
@@ -53,6 +52,7 @@ import torch
 from .arena import OffsetAllocator
 from .device import Device, local_world_size
 from .options import spelled
+from .say import say_once
 from .units import GiB, MiB, format_bytes
 
 __all__ = ["HostPool", "HostSlot", "host_budget", "cgroup_available", "local_world_size"]
@@ -337,7 +337,7 @@ class HostPool:
         self._reserved = 0        # the last reserve's bytes: give-back keeps them pinned
         self._largest = self._largest_before = 0   # largest request of this step, of the last
         self._misses = 0          # pins started for requests in this step
-        self._warned = False
+        self._said: set = set()      # warnings given (say_once)
         # The smallest request that could not grow the pool in this step: larger ones are refused
         # without asking again (a budget check reads psutil and cgroup files; a failed pin costs
         # a driver call), until the next step. After a failed pin nothing is tried in the step,
@@ -465,7 +465,7 @@ class HostPool:
         ``close`` does nothing."""
         if slot.base is None or self.closed:
             return
-        slot.base = slot._tensor = None          # first: an interrupt below leaks, never frees twice
+        slot.base = slot._tensor = None   # first: an interrupt below leaks, never frees twice
         allocator = slot.slab.allocator
         self.used_bytes -= allocator.size_of(slot.offset)
         allocator.free(slot.offset)
@@ -557,11 +557,12 @@ class HostPool:
             size = room // _PAGE * _PAGE
         if size < nbytes or size <= 0:
             self._refuse(nbytes)
-            self._warn_once("lmsrt: the host memory budget is reached "
-                            f"({format_bytes(self.pinned_bytes)} pinned, "
-                            f"{format_bytes(max(room, 0))} more allowed); saved tensors that do "
-                            "not fit stay on the GPU (said once). Free host memory, or raise "
-                            f"host_budget_gb ({spelled('host_budget_gb')}) if the GPU runs out.")
+            say_once("pinning", "lmsrt: the host memory budget is reached "
+                     f"({format_bytes(self.pinned_bytes)} pinned, "
+                     f"{format_bytes(max(room, 0))} more allowed); saved tensors that do "
+                     "not fit stay on the GPU (said once). Free host memory, or raise "
+                     f"host_budget_gb ({spelled('host_budget_gb')}) if the GPU runs out.",
+                     given=self._said, stacklevel=4)
             return None
         pin = _Pin(size)
         self.pinned_bytes += size
@@ -585,20 +586,15 @@ class HostPool:
             else:
                 self.pinned_bytes -= pin.size
                 self._refused_from, self._pin_cap = 0, max(pin.size // 2, _PAGE)
-                self._warn_once(f"lmsrt: pinning {format_bytes(pin.size)} of host memory "
-                                f"failed ({pin.error}); saved tensors that do not fit in what is "
-                                "pinned stay on the GPU (said once). Free host memory, or set "
-                                f"host_budget_gb ({spelled('host_budget_gb')}) to what can be "
-                                "pinned.")
+                say_once("pinning", f"lmsrt: pinning {format_bytes(pin.size)} of host memory "
+                         f"failed ({pin.error}); saved tensors that do not fit in what is "
+                         "pinned stay on the GPU (said once). Free host memory, or set "
+                         f"host_budget_gb ({spelled('host_budget_gb')}) to what can be "
+                         "pinned.", given=self._said, stacklevel=4)
 
     def _refuse(self, nbytes: int) -> None:
         if self._refused_from is None or nbytes < self._refused_from:
             self._refused_from = nbytes
-
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=5)
 
     def close(self) -> None:
         """Stop and join the pinning threads, then give the slabs back (unregistered and unmapped

@@ -2,100 +2,24 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
-import functools
 import threading
-import warnings
 import weakref
 from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from . import arena
+# torch_patches: imported for what it changes in torch at import (its NOTE, 1).
+from . import arena, torch_patches  # noqa: F401
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
-from .hook_stack import pop_own_hooks
 from .options import OPTIONS, describe
+from .say import say_once
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
 
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
-_said_native = False
-_said_no_gpu = False
-
-
-def _say_native_once() -> None:
-    global _said_native
-    if not _said_native and not arena.NATIVE:
-        warnings.warn(f"lmsrt: the native allocator is not in use ({arena.native_error}); the "
-                      "pure-Python one gives the same results with slower bookkeeping. Reinstall "
-                      "with a C++ compiler present to build it.", RuntimeWarning, stacklevel=3)
-    _said_native = True
-
-
-def _say_no_gpu_once() -> None:
-    # Once per process: a CPU-only run that builds an LMS per model or per epoch needs one line.
-    global _said_no_gpu
-    if not _said_no_gpu:
-        warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
-                      "machine, or pass device='sim' to test on the CPU.", RuntimeWarning,
-                      stacklevel=3)
-    _said_no_gpu = True
-
-
-_torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
-
-
-def _step_aside_where_hooks_are_disabled() -> None:
-    """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process, when lmsrt is
-    imported) so that lmsrt's hooks leave this thread's stack for the region and come back after
-    it.
-
-    torch.func's transforms (grad, vjp, jacrev, hessian, vmap of them) and other code that
-    cannot work with saved-tensor hooks run inside that context manager, which raises as it is
-    entered if any hooks are set: under ``lmsrt run`` an unmodified script using torch.func
-    would fail. Tensors saved in the region stay on the GPU, as without LMS."""
-    global _torch_disable_hooks
-    if _torch_disable_hooks is not None:
-        return
-    _torch_disable_hooks = original = torch.autograd.graph.disable_saved_tensors_hooks
-
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def disable_saved_tensors_hooks(error_message: str):
-        aside = []
-        try:
-            while (pair := pop_own_hooks()) is not None:
-                aside.append(pair)
-            if aside:
-                _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
-                          "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
-                          "or torch.autograd.graph.disable_saved_tensors_hooks), so lmsrt steps "
-                          "aside there: tensors saved inside stay on the GPU, as without LMS "
-                          "(said once).")
-            with original(error_message):
-                yield
-        finally:
-            for pack, unpack in reversed(aside):
-                torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-
-    torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
-
-
-# At import, before torch.compile is used: dynamo recognises the context manager by identity,
-# from a table it builds when it is first imported.
-_step_aside_where_hooks_are_disabled()
-
-
-_said: set = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _said:
-        _said.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 @atexit.register
@@ -108,7 +32,7 @@ def _close_all() -> None:
     for engine in list(_live_engines):
         try:
             engine.close()
-        except Exception:
+        except Exception:   # noqa: BLE001 - at exit, close what can be closed
             pass
 
 
@@ -179,9 +103,17 @@ class LMS:
         self._active = threading.local()
         if self._device is None:
             if config.enabled:
-                _say_no_gpu_once()
+                # Once per process: a CPU-only run that builds an LMS per model or per epoch
+                # needs one line.
+                say_once("no-gpu", "lmsrt: no CUDA device is available, so LMS does nothing; "
+                         "run on a GPU machine, or pass device='sim' to test on the CPU.",
+                         stacklevel=2)
         elif config.enabled:
-            _say_native_once()
+            if not arena.NATIVE:
+                say_once("native", f"lmsrt: the native allocator is not in use "
+                         f"({arena.native_error}); the pure-Python one gives the same results "
+                         "with slower bookkeeping. Reinstall with a C++ compiler present to "
+                         "build it.", stacklevel=2)
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
             # C++ hooks where the copy path is built (the engine holds them weakly).
@@ -231,35 +163,17 @@ class LMS:
         engine = self._engine
         if engine.closed:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
-        engine.begin_forward()
-        if engine._stale_hooks:
-            engine._pop_stale_hooks(threading.get_ident())
-        hooks = engine if self._hooks is None else self._hooks
-        torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
+        self._active.recorder = engine.enter()
         self._active.hooks = True
-        if engine.rebuilds is not None and engine.rebuilds.noting:
-            # Records how cheap ops made their outputs (engine.py, NOTE [ Rebuilt storages ]).
-            self._active.recorder = engine.rebuilds.recorder().__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         pushed = getattr(self._active, "hooks", None)
         self._active.hooks = None
         recorder = getattr(self._active, "recorder", None)
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
-            self._active.recorder = None
+        self._active.recorder = None
         if pushed:
-            engine = self._engine
-            pop_own_hooks(engine)
-            if torch._C._current_graph_task_id() != -1:
-                # Left inside backward: autograd puts back the thread's hooks as they were
-                # when backward started, this pair included, once backward ends.
-                engine.mark_stale_hooks(threading.get_ident())
-            engine.end_forward()
-            if isinstance(exc, torch.OutOfMemoryError):
-                # The same exception goes on, with lmsrt's context added to its message.
-                engine.annotate_oom(exc, "in forward")
+            self._engine.exit(recorder, exc)
 
     def stats(self) -> Dict[str, object]:
         """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""
@@ -281,7 +195,8 @@ class LMS:
             | {"steps": 0},
             "rebuild_refused": self._engine.rebuilds.refusals()
             if self._engine and self._engine.rebuilds else {},
-            "history": [s.as_dict() for s in self._engine.run_stats.history] if self._engine else [],
+            "history": [s.as_dict() for s in self._engine.run_stats.history]
+            if self._engine else [],
         }
 
     def summary(self) -> str:

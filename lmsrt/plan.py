@@ -2,7 +2,8 @@
 
 A step records the sizes of the storages it saves, in save order. If the next step repeats the
 sequence (same sizes in the same order), it follows the plan: it offloads the storages before
-``cutoff`` (or those ``chosen``), the *earliest* ones, which backward needs last, so their copies have the whole rest of
+``cutoff`` (or those ``chosen``), the *earliest* ones, which backward needs last, so their
+copies have the whole rest of
 forward to go out and most of backward to come back. How far the cutoff reaches is the policy's
 decision (policy.py: a fixed mark's target in bytes, or the smallest cutoff whose predicted peak
 fits). A sequence that differs (dynamic shapes) makes the rest of that step reactive and is

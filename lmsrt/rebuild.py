@@ -89,6 +89,7 @@ class _Scratch(NamedTuple):
 _DEPTH = 3             # ops a chain of recipes may reach back (LayerNorm, then a cast)
 _TENSOR = object()      # where a tensor argument goes, in a recipe's flattened arguments
 # Autocast must not touch a rebuild: the recorded op is the one that ran below it.
+_Exclude = torch._C._ExcludeDispatchKeyGuard
 _AUTOCAST = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
              | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA))
 
@@ -276,7 +277,7 @@ class Recipe:
     def run(self, flat: list) -> torch.Tensor:
         """Run the op on ``arguments``' result; return the output it rebuilds."""
         n = self.nargs
-        with torch.no_grad(), _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+        with torch.no_grad(), _disable_current_modes(), _Exclude(_AUTOCAST):
             out = self.func(*flat[:n], **dict(zip(self.keys, flat[n:])))
         if isinstance(out, (tuple, list)):
             out = out[self.index]

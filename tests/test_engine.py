@@ -1,11 +1,20 @@
 """Exact gradients, swap counts, plan, prefetch and release, on the simulated device and CUDA."""
 import pytest
 import torch
+from models import (
+    DEVICES,
+    ViewsModel,
+    assert_same,
+    convnet,
+    make_lms,
+    mlp,
+    torch_device,
+    train_step,
+    transformer,
+)
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
-from models import (DEVICES, ViewsModel, assert_same, convnet, make_lms, mlp, torch_device,
-                    train_step, transformer)
 
 
 def _check_exact(kind, build, shape, steps=3, **step_kw):
@@ -332,7 +341,8 @@ def test_one_with_block_with_changing_depth_prefetches_each_step():
             ref_grads = torch.autograd.grad(ref, list(model[:depth].parameters()))
             out = model[:depth](x).square().mean()
             out.backward()
-            assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model[:depth].parameters()))
+            params = model[:depth].parameters()
+            assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, params))
     for step in lms.stats()["history"][1:] + [lms.stats()["last_step"]]:
         assert step["prefetch_misses"] <= 1, step
 

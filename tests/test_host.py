@@ -17,6 +17,7 @@ import weakref
 
 import pytest
 import torch
+from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, transformer
 
 import lmsrt
 import lmsrt.cache
@@ -24,8 +25,6 @@ from lmsrt import host as host_module
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
 from lmsrt.units import GiB, MiB
-from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, transformer
-
 
 
 def _until(condition, timeout=10.0):

@@ -20,13 +20,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import (
+    DEVICES,
+    assert_same,
+    make_lms,
+    mlp,
+    pins_at_hand,
+    run_threads,
+    torch_device,
+    train_step,
+    transformer,
+)
 from torch import nn
 
 import lmsrt
+from lmsrt.engine import forward as engine_module  # the room that makes handles
 from lmsrt.policy import FixedPolicy
-from lmsrt.engine import forward as engine_module   # the room that makes handles
-from models import (DEVICES, assert_same, make_lms, mlp, pins_at_hand, run_threads, torch_device,
-                    train_step, transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 INPLACE = "modified by an inplace operation"
@@ -309,7 +318,8 @@ def test_lmsrt_run_exits_130_on_every_ctrl_c(tmp_path):
         "    y.sum().backward()\n"
         "    if step == 0:\n"
         "        os.write(3, b'ready')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                LMSRT_DEVICE="sim", LMSRT_LMS="1", LMSRT_LMS_FRAC="0")
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sigint_runs.py"),
                              str(script), "20"], capture_output=True, text=True, env=env,
@@ -383,7 +393,7 @@ def test_soak_threads_keep_counts_host_and_python_memory_flat():
         try:
             for _ in range(steps):
                 assert_same(refs[i], train_step(models[i], x, lms=lms))
-        except BaseException as e:           # reported by the main thread
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
     def run(steps):
@@ -452,7 +462,8 @@ def test_torch_func_script_under_lmsrt_run(tmp_path):
         "g = torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(w, torch.randn(4, 8))\n"
         "h = torch.func.hessian(lambda x: (x.sin() * w[0]).sum())(torch.randn(8))\n"
         "print('ok', tuple(g.shape), tuple(h.shape))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                LMSRT_DEVICE="sim")
     result = subprocess.run([sys.executable, "-m", "lmsrt", "run", "--lms", "1", "--lms-frac", "0",
                              str(script)], capture_output=True, text=True, env=env, timeout=120)
@@ -598,7 +609,8 @@ def _side_stream_step(W, lms=None):
     ctx = lms if lms is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
                                                                                lambda t: t)
     with ctx:
-        z0 = torch.randn(2048, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        seeded = torch.Generator("cuda").manual_seed(0)
+        z0 = torch.randn(2048, 2048, device="cuda", generator=seeded)
         s.wait_stream(current)
         with torch.cuda.stream(s):
             z = z0.exp()

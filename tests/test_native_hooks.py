@@ -18,7 +18,8 @@ import lmsrt.copy_path as copy_path
 from lmsrt.device import SimulatedDevice
 
 pytestmark = pytest.mark.skipif(bool(copy_path._missing_tool()),
-                                reason=f"needs a C++ compiler and ninja: {copy_path._missing_tool()}")
+                                reason="needs a C++ compiler and ninja: "
+                                f"{copy_path._missing_tool()}")
 
 KiB = 1 << 10
 

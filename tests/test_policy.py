@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import assert_same, train_step, transformer
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.policy import AutoPolicy, Profile
-from models import assert_same, train_step, transformer
 
 MiB = 1 << 16          # scaled down: the sizes relate as MiB would, and run fast on a CPU
 
@@ -534,7 +534,8 @@ def test_copies_fetched_ahead_make_way_when_backward_holds_more_than_predicted(m
     predicted it, and what the plan keeps cannot be given back (it did not fail before the
     swap levels counted, at each point, the storages the learning step had seen freed there:
     a level short by one storage swapped one the plan keeps, and left room by accident)."""
-    with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="failed at the memory limit"):
+    said = pytest.warns(RuntimeWarning, match="failed at the memory limit")
+    with monkeypatch.context() as m, said:
         _, stats, fell_back = _surprised(False, m)
     assert fell_back > 1
     assert sum(s["alloc_failures"] for s in _steps(stats)) == fell_back

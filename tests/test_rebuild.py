@@ -13,6 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from models import (
+    DEVICES,
+    Block,
+    assert_same,
+    lmsrt_warnings,
+    make_lms,
+    rebuild_small_tensors,
+    torch_device,
+    train_step,
+)
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import lmsrt
@@ -20,11 +30,9 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.rebuild import Recipe, Recorder, census, view_of
-from models import (DEVICES, Block, assert_same, lmsrt_warnings, make_lms, rebuild_small_tensors,
-                    torch_device, train_step)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from workloads import GPTBlock  # noqa: E402
+from workloads import GPTBlock
 
 
 @pytest.fixture(autouse=True)

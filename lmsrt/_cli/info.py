@@ -34,7 +34,7 @@ def _driver_version() -> str:
             version = pynvml.nvmlSystemGetDriverVersion()
         finally:
             pynvml.nvmlShutdown()
-    except Exception as e:   # NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
+    except Exception as e:   # noqa: BLE001 - NVMLError_LibraryNotFound, ..._DriverNotLoaded, ...
         return f"unavailable ({e})"
     return version.decode() if isinstance(version, bytes) else str(version)
 

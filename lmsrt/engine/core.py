@@ -20,6 +20,7 @@ from .backward import UnpackSide
 from .boundaries import StepBoundaries, StepState
 from .copies import NativeCopies, TorchCopies, finish_copies
 from .deferred import DeferredCopies
+from .entry import EnterExit
 from .forward import PackSide
 from .gauge import EXACT_EVERY, GpuGauge
 from .native import NativeHandOver
@@ -36,8 +37,8 @@ def _no_entry(t: torch.Tensor) -> None:
     return None
 
 
-class SwapEngine(StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOut, DeferredCopies,
-                 UnpackSide, Prefetch, Release):
+class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOut,
+                 DeferredCopies, UnpackSide, Prefetch, Release):
     """Swaps saved tensors between the GPU and pinned host memory for one ``LMS`` object."""
 
     owns_hooks = True         # its pack/unpack pairs are lmsrt's (hook_stack.pop_own_hooks)

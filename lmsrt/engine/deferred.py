@@ -7,13 +7,15 @@ on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step 
 on each source's drop at its point), while GPU use is under a quarter of the limit, it waits for
 nothing: the storage is swapped later (``_defer``), its source held by lmsrt (counted in
 ``_held_bytes``; a recorded profile counts it as the model's own, as the model may well still use
-it meanwhile: ``_lmsrt_bytes``) and its copy started in save order once pins land (checked at each save).
+it meanwhile: ``_lmsrt_bytes``) and its copy started in save order once pins land (checked at
+each save).
 Once use passes the quarter, the remaining deferred copies start first, waiting for their pins, so
 the step holds no more than it would have. When forward ends, those still without a pin start too,
 waiting, unless use is under 1/16 of the limit: then they stay on the GPU for backward (counted as
 kept), where there is room (a backward needing 15x its forward's end use is not a real model), and
 waiting would stall the step for copies that free nothing in time. Unpack reads a held source as it
-reads any other. (The quarter and the 1/16 are the policy's: ``may_defer``, ``may_keep_deferred``.)"""
+reads any other. (The quarter and the 1/16 are the policy's: ``may_defer``,
+``may_keep_deferred``.)"""
 from __future__ import annotations
 
 import torch

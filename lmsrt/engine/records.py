@@ -7,7 +7,8 @@ autograd frees graphs wherever it likes. So: (a) nothing runs Python when autogr
 handle: each handle is watched by a weak reference whose callback is a deque's C ``append``,
 and ``_reap`` does the bookkeeping later, under the lock; a ``__del__`` would swallow an
 interrupt that lands in it. The recipe table's and a learning profile's weak references to
-storages queue themselves the same way (``RecipeTable``, ``Profile.watch``). (b) Every change of engine state is made so that an interrupt
+storages queue themselves the same way (``RecipeTable``, ``Profile.watch``). (b) Every change
+of engine state is made so that an interrupt
 leaves either the old state or the new one: a restored block is marked only after its copy is
 queued, a storage's handle count is the size of a set of watches (added and removed in one
 step), a release is idempotent and retried, and storages no handle ever reached are released
@@ -95,7 +96,8 @@ class SwapHandle:
     def __init__(self, storage: Offloaded, t: torch.Tensor, producer, thread: int):
         self.storage = storage
         self.watch = None
-        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.dtype, self.size = t.dtype, t.size()
+        self.stride, self.offset = t.stride(), t.storage_offset()
         # Views share their base's version counter, and keep the base alive: while anything
         # could still modify these bytes in place, the base is there to say so.
         self.base_ref = weakref.ref(t if t._base is None else t._base)

@@ -1,9 +1,6 @@
-"""Release: give back what dead storages held, close, and pop hooks left behind."""
+"""Release: give back what dead storages held, and close."""
 from __future__ import annotations
 
-import torch
-
-from ..hook_stack import pop_own_hooks
 from .records import Offloaded
 
 __all__ = ["Release"]      # a room of SwapEngine (core.py)
@@ -80,20 +77,3 @@ class Release:
                     self.memo.saw(self.host.used_slabs())
                     self.memo.close()
                 self.host.close()
-
-    # -- hooks left behind -------------------------------------------------------------------
-
-    def mark_stale_hooks(self, thread: int) -> None:
-        """``with lms:`` was left inside backward: autograd restores the thread's hook stack when
-        backward ends, with this engine's pair still on it. The next pack on that thread outside
-        backward pops it; that one save is still handled as usual."""
-        self._stale_hooks.add(thread)
-
-    def _pop_stale_hooks(self, thread: int) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return
-        self._stale_hooks.discard(thread)
-        pop_own_hooks(self)
-        if self.rebuilds is not None:
-            self.rebuilds.pop_stale_recorder()
-

@@ -22,7 +22,8 @@ every ``lms`` (the one the bisection uses first) and then asks whether any fixed
 their search. Out of memory is monotone in a fixed ``lms_frac``: a higher fraction keeps more on
 the GPU. So the default search bisects the fractions (0, 0.05, ..., 1, or the values given) at one
 ``lms`` (1000 if listed, else the first value listed) for the largest that does not run out of
-memory: about 5 trials instead of 21. Then it tries every ``lms`` value at that fraction and at the one below it, which
+memory: about 5 trials instead of 21. Then it tries every ``lms`` value at that fraction and at
+the one below it, which
 leaves headroom for allocator slack and cuDNN workspaces and is sometimes faster. When even the
 lowest fraction runs out of memory, every ``lms`` is tried there: a smaller one swaps more. A
 crash or a timeout during the bisection ends the search for that parameter value: it says nothing
@@ -54,7 +55,7 @@ __all__ = ["Trial", "Sweep", "BISECT_FRACS", "GRID_FRACS", "reference_lms", "bis
            "run_command", "check_out_dir", "write_results", "write_plot"]
 
 BISECT_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
-GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))      # --grid without a list: 0, 0.1, ..., 1
+GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))   # --grid without a list: 0, ..., 1
 REFERENCE_LMS = 1000.0
 TIE = 0.01   # step rates within 1% are timing noise: the trial with less GPU memory wins
 

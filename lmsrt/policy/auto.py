@@ -197,7 +197,8 @@ class AutoPolicy(LimitShares):
     def _make_plan(self, plan: OffloadPlan, base: int) -> None:
         prof = self.profile
         budget = self.bound - base - self.correction
-        if (self._planned_for is not None and abs(budget - self._planned_for) < self.limit >> _REPLAN
+        if (self._planned_for is not None
+                and abs(budget - self._planned_for) < self.limit >> _REPLAN
                 and plan.rebuildable == self._planned_rebuildable):
             return                       # the same plan, give or take a few MiB of use
         self._planned_for = budget
