@@ -299,8 +299,9 @@ class HostPool:
     would serve it is under way (unless ``wait=True``): the caller keeps the tensor on the GPU.
     Figures: ``pinned_bytes`` (pins under way included: a figure that does not depend on
     when they land) and the most it ever was (``most_pinned``), ``used_bytes``, ``peak_used``,
-    ``refused`` (as the engine resets them), ``pins_in_flight``, and per step (reset by
-    ``new_step``) ``pin_seconds``, ``pin_wait_seconds``, ``lagged``, ``given_back_bytes``.
+    ``refused``, ``pins_in_flight``, and per step (reset by ``new_step``: ``peak_used`` from
+    what is in use then) ``pin_seconds``, ``pin_wait_seconds``, ``lagged``,
+    ``given_back_bytes``; ``figures()`` reads them for a step's stats.
 
     Example::
 
@@ -476,6 +477,8 @@ class HostPool:
         """A new step: growth may be tried again, the per-step figures start from zero, and
         slabs idle for ``idle_steps`` steps are given back (NOTE [ Pinning ], Give-back)."""
         self._refused_from = None
+        self.refused = 0
+        self.peak_used = self.used_bytes
         self.lagged = self.given_back_bytes = self._misses = 0
         self.pin_seconds = self.pin_wait_seconds = 0.0
         self._largest_before, self._largest = self._largest, 0
@@ -493,6 +496,14 @@ class HostPool:
                 self.given_back_bytes += slab.size
                 self._pinner.give_back(slab.tensor)
                 slab.tensor = None
+
+    def figures(self) -> dict:
+        """The pool's figures for a step's stats, by their ``StepStats`` names."""
+        return {"host_pinned_bytes": self.pinned_bytes, "host_peak_bytes": self.peak_used,
+                "host_refused": self.refused, "host_pin_s": self.pin_seconds,
+                "host_pin_wait_s": self.pin_wait_seconds, "host_lagged": self.lagged,
+                "host_given_back_bytes": self.given_back_bytes,
+                "host_pins_in_flight": self.pins_in_flight}
 
     def used_slabs(self) -> List[int]:
         """The sizes of the slabs that requests have used, oldest first (a layout for

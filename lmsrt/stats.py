@@ -74,6 +74,16 @@ class StepStats:
     predicted_peak_bytes: int = 0         # auto: the peak the plan predicted for this step
     policy_note: str = ""                 # auto: what the policy learnt or changed after this step
 
+    def count_kept(self, nbytes: int, tensors: int = 1, live: bool = False) -> None:
+        """``tensors`` eligible storages of ``nbytes`` in all stayed on the GPU (``live``: alive
+        anyway, the caller holds them)."""
+        if live:
+            self.live_bytes += nbytes
+            self.live_tensors += tensors
+        else:
+            self.kept_bytes += nbytes
+            self.kept_tensors += tensors
+
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
 

@@ -14,6 +14,7 @@ from models import (
 )
 
 import lmsrt
+import lmsrt.say
 from lmsrt.device import SimulatedDevice
 
 
@@ -279,7 +280,7 @@ def test_nested_with_is_refused():
 
 def test_no_gpu_is_a_noop_with_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(lmsrt.lms, "_said_no_gpu", False)     # said once per process
+    monkeypatch.setattr(lmsrt.say, "_said", set())     # said once per process: as in a new one
     with pytest.warns(RuntimeWarning, match="no CUDA device"):
         lms = lmsrt.LMS()
     assert not lms.enabled

@@ -105,8 +105,7 @@ class UnpackSide:
                 # keep this storage on the GPU from the next step (plan.lives_on).
                 if s.seq not in self.plan.live_now:
                     self.plan.mark_live(s.seq)
-                    self.step.live_bytes += s.nbytes
-                    self.step.live_tensors += 1
+                    self.step.count_kept(s.nbytes, live=True)
                 return bytes_of(live)
             if s.consumed and not for_recipe:
                 self._new_pass(s)

@@ -145,19 +145,9 @@ class StepBoundaries:
     def _finish_step(self) -> None:
         s = self.step
         s.gpu_peak_bytes = max(self.device.peak_allocated(), self.state.step_peak)
-        s.host_pinned_bytes = self.host.pinned_bytes
-        s.host_peak_bytes = self.host.peak_used
-        s.host_refused = self.host.refused
-        s.host_pin_s = self.host.pin_seconds
-        s.host_pin_wait_s = self.host.pin_wait_seconds
-        s.host_lagged = self.host.lagged
-        s.host_given_back_bytes = self.host.given_back_bytes
-        s.host_pins_in_flight = self.host.pins_in_flight
+        self._read_figures(s)
         if self.memo is not None:
             self.memo.saw(self.host.used_slabs())
-        self.host.refused = 0
-        self.host.peak_used = self.host.used_bytes
-        self._collect_waits(s)
         s.alloc_retries = self.device.alloc_retries() - self.state.retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
         s.alloc_failures = self.device.alloc_failures() - self.state.failures_before
@@ -198,18 +188,13 @@ class StepBoundaries:
         if s.step:
             s.mode = self.plan.mode
             s.gpu_peak_bytes = self.device.peak_allocated()
-            s.host_pinned_bytes = self.host.pinned_bytes
-            s.host_peak_bytes = self.host.peak_used
-            s.host_refused = self.host.refused
-            s.host_pin_s = self.host.pin_seconds
-            s.host_pin_wait_s = self.host.pin_wait_seconds
-            s.host_lagged = self.host.lagged
-            s.host_given_back_bytes = self.host.given_back_bytes
-            s.host_pins_in_flight = self.host.pins_in_flight
-            self._collect_waits(s)
+            self._read_figures(s)
         return s
 
-    def _collect_waits(self, s: StepStats) -> None:
+    def _read_figures(self, s: StepStats) -> None:
+        """Into ``s``: the host pool's figures, and the swap-in waits whose times are in."""
+        for name, value in self.host.figures().items():
+            setattr(s, name, value)
         pending = []
         for start, end in self._timed_waits:
             if end.query():

@@ -59,8 +59,7 @@ class DeferredCopies:
                 wait=not self.policy.may_keep_deferred(self.device.memory_allocated()))
             for s in self._deferred:
                 if not s.dead and s.source is not None:
-                    self.step.kept_bytes += s.nbytes
-                    self.step.kept_tensors += 1
+                    self.step.count_kept(s.nbytes)
                     self.state.deferred_kept += s.nbytes
         finally:
             self._deferred.clear()

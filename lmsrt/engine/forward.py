@@ -124,13 +124,7 @@ class PackSide:
             if plan.matched:
                 level = self.policy.swap_at(plan, index)
                 if self.gauge.use(nbytes, level) - self._held_bytes <= level:
-                    step = self.step
-                    if index in plan.live:
-                        step.live_bytes += nbytes
-                        step.live_tensors += 1
-                    else:
-                        step.kept_bytes += nbytes
-                        step.kept_tensors += 1
+                    self.step.count_kept(nbytes, live=index in plan.live)
                     entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version)
                     return entry
             return self._keep_or_offload(t, storage, version, nbytes, index, ref, False)
@@ -151,8 +145,7 @@ class PackSide:
         if self.plan.lives_on(index):
             # Last step's copy of this storage freed nothing: something else kept it alive
             # through backward (an input batch, a buffer, a frozen weight held as a tensor).
-            self.step.live_bytes += nbytes
-            self.step.live_tensors += 1
+            self.step.count_kept(nbytes, live=True)
             entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version)
             return entry
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
@@ -178,8 +171,7 @@ class PackSide:
                     st.over = (index, over - st.base)
         if entry is None:
             entry = Kept(ref, version)
-            self.step.kept_bytes += nbytes
-            self.step.kept_tensors += 1
+            self.step.count_kept(nbytes)
         st.by_ptr[storage.data_ptr()] = entry
         if self.rebuilds is not None and self.rebuilds.holding:
             self.rebuilds.let_go(storage)        # its check, if any, is done

@@ -77,10 +77,8 @@ class NativeHandOver:
             self.state.by_ptr[storage.data_ptr()] = Kept(weakref.ref(storage), version)
         s = self.step
         kept_bytes, kept_tensors, live_bytes, live_tensors, skipped = counts
-        s.kept_bytes += kept_bytes
-        s.kept_tensors += kept_tensors
-        s.live_bytes += live_bytes
-        s.live_tensors += live_tensors
+        s.count_kept(kept_bytes, kept_tensors)
+        s.count_kept(live_bytes, live_tensors, live=True)
         s.skipped_tensors += skipped
         self.gauge.delta += kept_bytes + live_bytes
         self.gauge.stale()      # the next decision reads GPU use afresh
