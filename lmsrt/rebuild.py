@@ -165,7 +165,7 @@ class Recipe:
     arguments given by ``inputs`` (NOTE [ Recipes ])."""
 
     __slots__ = ("func", "nargs", "keys", "flat", "inputs", "index", "version", "dtype", "size",
-                 "stride", "offset", "nbytes", "device", "held", "_signature", "__weakref__")
+                 "stride", "offset", "nbytes", "device", "retained", "_signature", "__weakref__")
 
     def __init__(self, func, args, kwargs, op: _Op, out: torch.Tensor,
                  describe: Callable[[torch.Tensor], _Input] = lambda t: _Input(t, None)):
@@ -183,7 +183,7 @@ class Recipe:
         self.dtype, self.size, self.stride = out.dtype, tuple(out.shape), out.stride()
         self.offset = out.storage_offset()
         self.nbytes = out.untyped_storage().nbytes()
-        self.held: Optional[tuple] = None    # its inputs' storages, while a check may want them
+        self.retained: Optional[tuple] = None   # its inputs' storages, while a check may want them
         self._signature = None
 
     @property
@@ -226,18 +226,18 @@ class Recipe:
                 return False
         return True
 
-    def hold(self) -> None:
+    def retain_inputs(self) -> None:
         """Keep the inputs' storages alive until ``let_go``: a check in forward reads them
         where the engine has already let them go (a GELU's input, copied out before the GELU's
         output is saved)."""
-        self.held = tuple(i.storage_ref() for i in self.inputs
+        self.retained = tuple(i.storage_ref() for i in self.inputs
                           if i.parameter is None and not i.inplace)
 
     def let_go(self) -> None:
-        """Stop holding the inputs, this recipe's and those of the recipes it reaches."""
-        self.held = None
+        """Stop retaining the inputs, this recipe's and those of the recipes it reaches."""
+        self.retained = None
         for inp in self.inputs:
-            if inp.recipe is not None and inp.recipe.held is not None:
+            if inp.recipe is not None and inp.recipe.retained is not None:
                 inp.recipe.let_go()
 
     def walk(self):
@@ -299,12 +299,12 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, recipes: Optional[RecipeTable] = None,
                  entry_of: Callable[[torch.Tensor], object] = lambda t: None,
-                 holding: Callable[[], bool] = lambda: False,
+                 retaining: Callable[[], bool] = lambda: False,
                  noting: Callable[[], bool] = lambda: True):
         super().__init__()
         self._recipes = RecipeTable() if recipes is None else recipes
         self._entry_of = entry_of
-        self._holding = holding      # whether new recipes hold their inputs (``Recipe.hold``)
+        self._retaining = retaining   # whether new recipes retain their inputs (``retain_inputs``)
         self._noting = noting        # whether to note recipes at all (the step may rebuild)
 
     @classmethod
@@ -350,8 +350,8 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _note(self, made: torch.Tensor, recipe: Recipe) -> None:
-        if self._holding():
-            recipe.hold()
+        if self._retaining():
+            recipe.retain_inputs()
         self._recipes.note(made.untyped_storage(), recipe)
 
     def _input(self, t: torch.Tensor) -> _Input:
@@ -486,12 +486,12 @@ class Rebuilds:
         self._fastest: Dict[tuple, list] = {}    # signature -> [fastest s, timings] (_SAMPLES)
         self._checked_now = 0                    # checks made in forward, this step
         self._mismatched: set = set()            # ops whose check did not match, this step
-        self.holding = False                     # new recipes hold their inputs (the engine sets)
+        self.retaining = False                   # new recipes retain their inputs (the engine sets)
         self.noting = True                       # recorders note recipes (the engine sets)
 
     def recorder(self) -> Recorder:
         """A recorder for one thread, writing this table."""
-        return Recorder(self.recipes, self.entry_of, lambda: self.holding, lambda: self.noting)
+        return Recorder(self.recipes, self.entry_of, lambda: self.retaining, lambda: self.noting)
 
     def pop_stale_recorder(self) -> None:
         """Take off this thread's mode stack a recorder of this table that autograd put back:
@@ -514,15 +514,15 @@ class Rebuilds:
         return recipe if recipe.inputs_saved(available) else None
 
     def let_go(self, storage=None) -> None:
-        """Let the recipe of ``storage`` (every recipe, by default) stop holding its inputs."""
+        """Let the recipe of ``storage`` (every recipe, by default) stop retaining its inputs."""
         if storage is not None:
             found = self.recipes.get(id(storage))
-            if found is not None and found[1].held is not None:
+            if found is not None and found[1].retained is not None:
                 found[1].let_go()
             return
         self.recipes.sweep()
         for _, recipe in list(self.recipes.values()):
-            if recipe.held is not None:
+            if recipe.retained is not None:
                 recipe.let_go()
 
     def _timed(self, recipe: Recipe, resolve) -> tuple:

@@ -272,7 +272,7 @@ def test_a_storage_the_model_holds_anyway_costs_nothing_to_keep_while_it_does():
         policy.learning = False
         prof = _profile(fwd_own=[100] * 4, fwd_peak=[100] * 4, bwd_own=[0, 100, 100, 100],
                         bwd_peak=[520, 100, 100, 100], sizes=[100] * 4, last_use=[3, 2, 1, 0])
-        prof.held = held
+        prof.owned = held
         policy.profile = prof
         plan = OffloadPlan()
         plan.recorded, plan.planned = [100] * 4, True

@@ -215,15 +215,15 @@ def test_the_first_forward_holds_recipe_inputs_only_until_their_outputs_are_save
     check_now = engine.rebuilds.check_now
 
     def watching(recipe, original, resolve):
-        held.append(recipe.held)
+        held.append(recipe.retained)
         return check_now(recipe, original, resolve)
     engine.rebuilds.check_now = watching
     for step in range(2):
         with lms:
             out = model(x)
-            assert all(r.held is None for _, r in engine.rebuilds.recipes.values()
+            assert all(r.retained is None for _, r in engine.rebuilds.recipes.values()
                        if r.func is torch.ops.aten.gelu.default)
-        assert all(r.held is None for _, r in engine.rebuilds.recipes.values())
+        assert all(r.retained is None for _, r in engine.rebuilds.recipes.values())
         out.float().square().mean().backward()
         model.zero_grad(set_to_none=True)
     assert len(held) == 1 and held[0] is not None and len(held[0]) == 1

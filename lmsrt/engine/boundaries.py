@@ -82,9 +82,9 @@ class StepBoundaries:
             if self.rebuilds is not None:
                 # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
                 # storages ]): their inputs are held until then, or until forward ends.
-                if self.rebuilds.holding:
+                if self.rebuilds.retaining:
                     self.rebuilds.let_go()
-                self.rebuilds.holding = self.step.step == 1
+                self.rebuilds.retaining = self.step.step == 1
                 # A planned step that offloads nothing rebuilds nothing: no recipes (each costs
                 # the op's dispatch through Python and objects for the collector: measured on an
                 # LM that fits its cap, 1.7x the step without lmsrt). Should it swap after all,
@@ -110,7 +110,7 @@ class StepBoundaries:
         step.plan_target_bytes = plan.target if plan.planned else 0
         rebuilds = self.rebuilds
         st.keeps_all = (policy.lean_step(plan)
-                        and (rebuilds is None or not (rebuilds.noting or rebuilds.holding)))
+                        and (rebuilds is None or not (rebuilds.noting or rebuilds.retaining)))
         step.bound_bytes = self.mark
         for name, value in policy.step_figures().items():
             setattr(step, name, value)
@@ -126,8 +126,8 @@ class StepBoundaries:
             self._forward_open = False
             if self._armed:
                 self._absorb(entries=False)
-            if self.rebuilds is not None and self.rebuilds.holding:
-                self.rebuilds.holding = False
+            if self.rebuilds is not None and self.rebuilds.retaining:
+                self.rebuilds.retaining = False
                 self.rebuilds.let_go()
             if self._deferred:
                 self._end_deferred()

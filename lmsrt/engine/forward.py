@@ -173,7 +173,7 @@ class PackSide:
             entry = Kept(ref, version)
             self.step.count_kept(nbytes)
         st.by_ptr[storage.data_ptr()] = entry
-        if self.rebuilds is not None and self.rebuilds.holding:
+        if self.rebuilds is not None and self.rebuilds.retaining:
             self.rebuilds.let_go(storage)        # its check, if any, is done
         if self._held:
             self._bound_held(self.gauge.use(nbytes, hold) if used is None else used, hold)

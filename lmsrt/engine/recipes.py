@@ -3,20 +3,20 @@ Under ``recompute`` a storage whose recipe (rebuild.py, NOTE [ Recipes ]) reads 
 engine holds anyway (parameters, storages saved in this forward: kept, swapped or rebuilt
 themselves) is offloaded without a copy when the engine would otherwise swap it: its source is
 dropped at once, and backward runs the op again at its first use, on its stream, from its inputs
-(a swapped input is brought back for it, early by the little that separates the two uses: an
-op's output is used in backward just before its input). The recipe pins its inputs' entries
-(``pinned_by``), so an input no handle holds any more still outlives it; kept inputs are held by
+(a swapped input is brought back for it, early by the little that separates the two uses: an op's
+output is used in backward just before its input). The recipe marks its inputs' entries as needed
+(``needed_by``), so an input no handle holds any more still outlives it; kept inputs are held by
 their storage. A recipe's signature is trusted once a rebuild of it has matched bit for bit on
 this device. The first check is made in forward, as the storage is saved (``_check_now``: one
 rebuild, one comparison, one device sync per signature), while the storage and its inputs are
-still on the GPU: in the first forward each recipe holds its inputs' storages until its output
-is saved (``Recipe.hold``). Trusted there, the storage is rebuilt from this step on, and no copy
-goes out for it: the first step pins and moves only what must move. Where that check cannot be
-made (no room for a second copy, an input gone), the storage is swapped as usual and carries the
-recipe as a check: its first use rebuilds it beside the copy and compares on the GPU
+still on the GPU: in the first forward each recipe retains its inputs' storages until its output
+is saved (``Recipe.retain_inputs``). Trusted there, the storage is rebuilt from this step on, and
+no copy goes out for it: the first step pins and moves only what must move. Where that check
+cannot be made (no room for a second copy, an input gone), the storage is swapped as usual and
+carries the recipe as a check: its first use rebuilds it beside the copy and compares on the GPU
 (``Rebuilds.check``); the step's end reads the comparisons, and that signature's storages are
-rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan offloads
-rebuildable storages first (policy.py). A planned step that offloads nothing notes no recipes
+rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan offloads rebuildable
+storages first (policy.py). A planned step that offloads nothing notes no recipes
 (``Rebuilds.noting``; under ``with lms:`` per step no recorder is entered at all)."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class RecipeOffload:
         s = self._swap_out(t, storage, nbytes, seq, ref, version)
         if s is not None and recipe is not None:
             s.recipe, s.check = recipe, True
-            self._pin_inputs(s)
+            self._need_inputs(s)
         return s
 
     def _check_now(self, recipe, storage, nbytes: int) -> None:
@@ -87,7 +87,7 @@ class RecipeOffload:
         s.counter = counter_only(t.detach())   # NOTE [ Interrupts and versions ], c
         s.index = len(self._order)
         self._order.append(s)       # from here the step boundary releases it if orphaned
-        self._pin_inputs(s)
+        self._need_inputs(s)
         self.step.recipe_bytes += nbytes
         self.step.recipe_tensors += 1
         return s
@@ -104,7 +104,7 @@ class RecipeOffload:
 
     @staticmethod
     def _available(inp) -> bool:
-        """Whether a recipe input's entry will still be there in backward (once pinned). One
+        """Whether a recipe input's entry will still be there in backward (once marked needed). One
         that is gone (its graph dropped in forward) is forgotten, for good: the input is then
         made by its own recipe, if it has one, in ``walk`` and in ``_recipe_input`` too."""
         entry = inp.entry
@@ -116,9 +116,9 @@ class RecipeOffload:
         return True
 
     @staticmethod
-    def _pin_inputs(s: Offloaded) -> None:
-        """Pin what ``s``'s recipe reads. ``s.inputs`` is set first and each pin is one set
-        insertion, so an interrupt anywhere leaves pins that ``_unpin_inputs`` removes
+    def _need_inputs(s: Offloaded) -> None:
+        """Mark what ``s``'s recipe reads as needed. ``s.inputs`` is set first and each mark is one
+        set insertion, so an interrupt anywhere leaves marks that ``_release_inputs`` removes
         (NOTE [ Interrupts and versions ], b)."""
         held = []
         for inp in s.recipe.walk():
@@ -134,13 +134,13 @@ class RecipeOffload:
         s.inputs = tuple(held)
         for entry in held:
             if type(entry) is Offloaded:
-                entry.pinned_by.add(id(s))
+                entry.needed_by.add(id(s))
 
-    def _unpin_inputs(self, s: Offloaded) -> None:
+    def _release_inputs(self, s: Offloaded) -> None:
         for entry in s.inputs:
             if type(entry) is Offloaded:
-                entry.pinned_by.discard(id(s))
-                if not entry.pinned_by and not entry.watches and not entry.dead:
+                entry.needed_by.discard(id(s))
+                if not entry.needed_by and not entry.watches and not entry.dead:
                     self._release(entry)
         s.inputs = ()
 
@@ -195,5 +195,5 @@ class RecipeOffload:
             pass
         finally:
             s.recipe = None
-            self._unpin_inputs(s)
+            self._release_inputs(s)
 

@@ -39,7 +39,7 @@ class Offloaded:
     __slots__ = ("nbytes", "index", "seq", "storage_ref", "version", "stream", "stream_key",
                  "source", "counter", "host", "copy_done", "gpu", "fetch_done", "fetch_waited",
                  "watches", "unpacked", "generation", "consumed", "dead", "recipe", "check",
-                 "inputs", "pinned_by")
+                 "inputs", "needed_by")
 
     def __init__(self, nbytes: int, seq: int, storage_ref, version: int, stream, stream_key):
         self.nbytes = nbytes
@@ -64,8 +64,8 @@ class Offloaded:
         # with both, it is swapped and its first use checks a rebuild against the copy.
         self.recipe = None
         self.check = False
-        self.inputs: tuple = ()         # what its recipe reads: entries pinned, kept storages held
-        self.pinned_by: set = set()     # ids of the storages whose recipes will read this one
+        self.inputs: tuple = ()         # what its recipe reads: entries it needs, kept storages
+        self.needed_by: set = set()     # ids of the storages whose recipes will read this one
 
 
 class Kept:

@@ -13,7 +13,7 @@ class Release:
         """Release storages that no handle holds: a pack interrupted before it handed its handle
         to autograd (NOTE [ Interrupts and versions ], b)."""
         for s in self._order:
-            if not s.watches and not s.pinned_by and not s.dead:
+            if not s.watches and not s.needed_by and not s.dead:
                 self._release(s)
 
     # -- release -----------------------------------------------------------------------------
@@ -31,7 +31,7 @@ class Release:
             if watch.generation == s.generation and id(watch) in s.watches:
                 s.unpacked -= 1
             s.watches.discard(id(watch))
-            if not s.watches and not s.pinned_by:
+            if not s.watches and not s.needed_by:
                 self._release(s)
             dead.popleft()
 
@@ -51,7 +51,7 @@ class Release:
             self.host.free(slot)                           # Rule 5
             s.host = None
         if s.inputs:
-            self._unpin_inputs(s)
+            self._release_inputs(s)
 
     def close(self) -> None:
         """Wait for copies in flight and give back pinned memory. The engine is unusable after:

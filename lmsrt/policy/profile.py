@@ -28,9 +28,9 @@ class Profile:
         self.last_use: List[int] = []    # backward point of each storage's last unpack
         self.first_use: List[int] = []   # and of its first
         self.live: set = set()           # storages alive anyway (never worth keeping count of)
-        # Storage i counted as the model's own from point held[i][0] to held[i][1] (points
+        # Storage i counted as the model's own from point owned[i][0] to owned[i][1] (points
         # numbered through forward, then backward): the model held on to it after lmsrt let go.
-        self.held: dict = {}
+        self.owned: dict = {}
         self.closed = False
         self._freed: collections.deque = collections.deque()   # _Freed refs, dead, unread
 
@@ -39,7 +39,7 @@ class Profile:
 
     def own_from(self, i: int) -> None:
         if not self.closed:
-            self.held[i] = (self._point(), None)
+            self.owned[i] = (self._point(), None)
 
     def watch(self, storage, i: int) -> "_Freed":
         """A weak reference to storage i whose death closes its span in ``held`` at the point
@@ -55,9 +55,9 @@ class Profile:
         freed, point = self._freed, self._point()
         while freed:
             i = freed.popleft().index
-            span = self.held.get(i)
+            span = self.owned.get(i)
             if span is not None and span[1] is None:
-                self.held[i] = (span[0], point)
+                self.owned[i] = (span[0], point)
 
     def close(self) -> None:
         """Storages freed from here on tell it nothing."""
@@ -76,19 +76,19 @@ class Profile:
         storage there, which swapped one the plan keeps, in every step)."""
         n, p = len(self.fwd_own), len(self.bwd_own)
         start, end = k + 1, n + min(self.last_use[k], p - 1)
-        span = self.held.get(k)
+        span = self.owned.get(k)
         if span is None:
             return [(start, end)]
         lo, hi = span
         hi = end + 1 if hi is None else hi if readings else max(hi, lo + 1)
         return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
 
-    def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
+    def record(self, backward: bool, used: int, peak: int, lmsrt_before: int, lmsrt_now: int,
                nbytes: int = 0) -> None:
         if self._freed:
             self._read_freed()          # freed in the interval that ends here
-        own = used - held_now
-        own_peak = max(peak - held_before, own)
+        own = used - lmsrt_now
+        own_peak = max(peak - lmsrt_before, own)
         if backward:
             self.bwd_own.append(own)
             self.bwd_peak.append(own_peak)
