@@ -21,7 +21,7 @@ from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, trans
 
 import lmsrt
 import lmsrt.cache
-from lmsrt import host as host_module
+from lmsrt import host_memory as host_module   # the budget: psutil, cgroups
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
 from lmsrt.units import GiB, MiB

@@ -38,9 +38,9 @@ from torch.utils.checkpoint import checkpoint
 
 import lmsrt
 import lmsrt.say
-from lmsrt import host as host_module
+from lmsrt import host_memory as host_module   # the budget: psutil, cgroups
 from lmsrt.device import SimulatedDevice
-from lmsrt.host import cgroup_available, host_budget
+from lmsrt.host_memory import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
 from lmsrt.units import GiB
 

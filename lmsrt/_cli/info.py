@@ -63,7 +63,7 @@ def _gpus(torch) -> List[Dict[str, object]]:
 def _host() -> Dict[str, object]:
     import psutil
 
-    from ..host import cgroup_available, host_budget
+    from ..host_memory import cgroup_available, host_budget
 
     vm = psutil.virtual_memory()
     return {"total_bytes": vm.total, "available_bytes": vm.available,
