@@ -606,7 +606,7 @@ class SwapEngine:
                                 swapped=self._swapped_last,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures,
-                                over=self._over)
+                                over=self._over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
