@@ -110,6 +110,7 @@ class FixedPolicy:
     auto = False
     learning = False
     recording = None          # records no profile
+    keeps_small = False       # a first step swaps what it defers (engine, NOTE [ Deferred copies ])
 
     def __init__(self, lms_frac: float, limit: int, window: int):
         self.lms_frac = lms_frac
@@ -308,6 +309,7 @@ class AutoPolicy:
     """``lms_frac="auto"``: NOTE [ Auto ]."""
 
     auto = True
+    keeps_small = True        # a step under a quarter of the limit keeps what it defers
 
     def __init__(self, limit: int, window: int):
         self.limit = limit
