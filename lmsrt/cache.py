@@ -127,6 +127,7 @@ def trusted_dir(path: str) -> str:
     """Make lmsrt's own folder ``path`` (0700) if it is not there; why it cannot be trusted, or
     '' (NOTE [ Trusting the cache ], Rule 1: the folder holding it may be a link, it may not)."""
     try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)   # the cache, if new
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
         return f"{path} cannot be made ({e.strerror})"
