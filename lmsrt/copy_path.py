@@ -34,7 +34,7 @@ from typing import Iterator, Optional, Tuple
 
 from .cache import cache_root, say_once, trusted_dir, unsafe, write_file
 
-__all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir"]
+__all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir", "private_root"]
 
 _ENV_OFF = "LMSRT_COPY_PATH"
 _FAILED = "build-failed.txt"    # in build_dir(): why the last build failed; stops automatic retries
