@@ -94,7 +94,12 @@ def pins_dir() -> str:
 
 
 def say_once(text: str) -> None:
-    """A line on stderr, once per process."""
+    """A line on stderr, once per process.
+
+    Example::
+
+        say_once("lmsrt: pin records are off: ...")    # a second call says nothing
+    """
     if text not in _said:
         _said.add(text)
         print(text, file=sys.stderr, flush=True)
@@ -125,7 +130,12 @@ def unsafe(path: str, link_ok: bool = True) -> str:
 
 def trusted_dir(path: str) -> str:
     """Make lmsrt's own folder ``path`` (0700) if it is not there; why it cannot be trusted, or
-    '' (NOTE [ Trusting the cache ], Rule 1: the folder holding it may be a link, it may not)."""
+    '' (NOTE [ Trusting the cache ], Rule 1: the folder holding it may be a link, it may not).
+
+    Example::
+
+        why = trusted_dir(pins_dir())    # '': read and write records there
+    """
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)   # the cache, if new
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -136,7 +146,12 @@ def trusted_dir(path: str) -> str:
 
 def write_file(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` through a fresh temporary file beside it (NOTE [ Trusting
-    the cache ], Rule 3); raises OSError."""
+    the cache ], Rule 3); raises OSError.
+
+    Example::
+
+        write_file(os.path.join(pins_dir(), "x.json"), json.dumps(record))
+    """
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
                                dir=os.path.dirname(path))
     try:
