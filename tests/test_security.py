@@ -4,6 +4,7 @@ writes; folders and builds that others can write (lmsrt/cache.py, NOTE [ Trustin
 import collections
 import json
 import os
+import pathlib
 import stat
 import threading
 
@@ -54,7 +55,7 @@ def _hostile_records(tmp_path, path):
     valid.write_text(json.dumps({"slabs": [4096]}))
 
     def text(body):
-        return lambda: open(path, "w").write(body)
+        return lambda: pathlib.Path(path).write_text(body)
     return [
         ("fifo", lambda: os.mkfifo(path)),
         ("link to /dev/zero", lambda: os.symlink("/dev/zero", path)),
@@ -67,7 +68,7 @@ def _hostile_records(tmp_path, path):
         ("too many slabs", text(json.dumps({"slabs": [4096] * (cache._MAX_SLABS + 1)}))),
         ("negative", text(json.dumps({"slabs": [4096, -4096]}))),
         ("wrong type", text(json.dumps({"slabs": [4096, "4096"]}))),
-        ("not utf-8", lambda: open(path, "wb").write(b'{"slabs": [\xff]}')),
+        ("not utf-8", lambda: pathlib.Path(path).write_bytes(b'{"slabs": [\xff]}')),
     ]
 
 
@@ -81,7 +82,7 @@ def test_hostile_records_are_ignored_with_one_line_and_never_block(tmp_path, cap
         said = capsys.readouterr().err.splitlines()
         assert len(said) == 1 and path in said[0] and "delete it" in said[0], (name, said)
         os.unlink(path)
-    open(path, "w").write(json.dumps({"slabs": [4096, 8192], "command": ["x"]}))
+    pathlib.Path(path).write_text(json.dumps({"slabs": [4096, 8192], "command": ["x"]}))
     assert _memo().recalled == [4096, 8192] and capsys.readouterr().err == ""
 
 
@@ -156,14 +157,14 @@ def test_a_link_planted_at_a_temporary_name_is_not_followed(tmp_path):
     memo = _memo()
     memo.saw([4096])
     assert target.read_text() == "precious"
-    assert stat.S_ISREG(os.lstat(path).st_mode) and json.load(open(path))["slabs"] == [4096]
+    assert stat.S_ISREG(os.lstat(path).st_mode) and json.loads(pathlib.Path(path).read_text())["slabs"] == [4096]
     assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
     assert [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")] \
         == [os.path.basename(path) + f".{os.getpid()}.tmp"]      # the planted link, untouched
 
 
-@pytest.mark.parametrize("how", ["pins is a link", "pins is group-writable", "cache is world-"
-                                 "writable", "pins is another user's"])
+@pytest.mark.parametrize("how", ["pins is a link", "pins is group-writable",
+                                 "cache is world-writable", "pins is another user's"])
 def test_an_untrusted_records_folder_is_neither_read_nor_written(tmp_path, monkeypatch, capsys,
                                                                   how):
     root = tmp_path / "cache"
@@ -237,8 +238,8 @@ def test_a_build_of_ones_own_is_loaded(planted):
     assert copy_path.load() is None and "did not load" in copy_path.status()
 
 
-@pytest.mark.parametrize("how", ["folder group-writable", "file world-writable", "cache "
-                                 "group-writable", "folder a link", "file another user's"])
+@pytest.mark.parametrize("how", ["folder group-writable", "file world-writable",
+                                 "cache group-writable", "folder a link", "file another user's"])
 def test_a_build_others_could_write_is_not_loaded(planted, tmp_path, monkeypatch, capsys, how):
     folder, so = planted
     if how == "folder group-writable":
