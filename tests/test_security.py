@@ -157,7 +157,8 @@ def test_a_link_planted_at_a_temporary_name_is_not_followed(tmp_path):
     memo = _memo()
     memo.saw([4096])
     assert target.read_text() == "precious"
-    assert stat.S_ISREG(os.lstat(path).st_mode) and json.loads(pathlib.Path(path).read_text())["slabs"] == [4096]
+    assert stat.S_ISREG(os.lstat(path).st_mode)
+    assert json.loads(pathlib.Path(path).read_text())["slabs"] == [4096]
     assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
     assert [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")] \
         == [os.path.basename(path) + f".{os.getpid()}.tmp"]      # the planted link, untouched
