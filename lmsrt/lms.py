@@ -305,9 +305,9 @@ class LMS:
             "copy_path": self.copy_path,
             "mark_bytes": self._engine.mark if self._engine else 0,
             "limit_bytes": self._engine.limit if self._engine else 0,
-            # What the last run of this command used, pinned as this LMS was created (cache.py).
-            "pinned_ahead_bytes": sum(self._engine.memo.recalled)
-            if self._engine and self._engine.memo else 0,
+            # What the last run of this command used, pinned as this LMS was created (cache.py):
+            # the pins started, less any that failed, not what the record asked for.
+            "pinned_ahead_bytes": self._engine.host.pinned_ahead if self._engine else 0,
             "last_step": step.as_dict(),
             "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
             | {"steps": 0},
