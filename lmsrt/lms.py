@@ -8,8 +8,7 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
-# torch_patches: imported for what it changes in torch at import (its NOTE, 1).
-from . import arena, torch_patches  # noqa: F401
+from . import arena, torch_patches
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
@@ -20,6 +19,8 @@ from .stats import StepStats, format_summary
 __all__ = ["LMS"]
 
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
+# Out-of-memory errors in backward carry lmsrt's context (torch_patches, NOTE, 4).
+torch_patches.annotate_backward_ooms(_live_engines)
 
 
 @atexit.register
@@ -187,9 +188,9 @@ class LMS:
             "copy_path": self.copy_path,
             "mark_bytes": self._engine.mark if self._engine else 0,
             "limit_bytes": self._engine.limit if self._engine else 0,
-            # What the last run of this command used, pinned as this LMS was created (cache.py).
-            "pinned_ahead_bytes": sum(self._engine.memo.recalled)
-            if self._engine and self._engine.memo else 0,
+            # What the last run of this command used, pinned as this LMS was created (cache.py):
+            # the pins started, less any that failed, not what the record asked for.
+            "pinned_ahead_bytes": self._engine.host.pinned_ahead if self._engine else 0,
             "last_step": step.as_dict(),
             "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
             | {"steps": 0},

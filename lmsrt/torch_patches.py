@@ -1,7 +1,7 @@
 """Every change lmsrt makes to torch, in one place.
 
 NOTE [ What lmsrt changes in torch ]
-lmsrt changes three things of torch's, each once per process, and nothing else:
+lmsrt changes four things of torch's, each once per process, and nothing else:
 
   1. ``torch.autograd.graph.disable_saved_tensors_hooks`` is wrapped when lmsrt is imported
      (``step_aside_where_hooks_are_disabled``): inside it lmsrt's hooks leave the thread's
@@ -13,6 +13,10 @@ lmsrt changes three things of torch's, each once per process, and nothing else:
      peak it clears into ``cleared_peaks`` first, so lmsrt's step peak covers the whole step.
   3. The caching allocator's expandable segments are turned on when a CUDA device is made,
      unless the user configured them (``prefer_expandable_segments``).
+  4. ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and ``torch.autograd.grad``
+     are wrapped when lmsrt is imported (``annotate_backward_ooms``): an out-of-memory error
+     raised in backward while an LMS holds saved tensors carries lmsrt's context, as one raised
+     in forward does. The same exception goes on.
 
 Example::
 
@@ -31,7 +35,7 @@ from .hook_stack import pop_own_hooks
 from .say import say_once
 
 __all__ = ["step_aside_where_hooks_are_disabled", "keep_peaks_across_resets", "cleared_peaks",
-           "reset_peak", "prefer_expandable_segments"]
+           "reset_peak", "prefer_expandable_segments", "annotate_backward_ooms"]
 
 
 _torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
@@ -133,6 +137,37 @@ def prefer_expandable_segments() -> bool:
     except Exception:       # noqa: BLE001 - a build without them keeps fixed segments
         return False
     return True
+
+
+_torch_backward = None            # torch.autograd.backward and grad, unwrapped
+
+
+def annotate_backward_ooms(engines) -> None:
+    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
+    ``torch.autograd.grad`` (once per process, when lmsrt is imported) so that an out-of-memory
+    error raised in backward while an LMS holds saved tensors carries lmsrt's context, as one
+    raised in forward does: autograd's own allocations (a gradient, a kernel's workspace) fail
+    there, not in lmsrt's code. ``engines``: the live swap engines (a weak set the caller keeps).
+    The same exception goes on; nothing else changes."""
+    global _torch_backward
+    if _torch_backward is not None:
+        return
+    _torch_backward = (torch.autograd.backward, torch.autograd.grad)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                for engine in list(engines):
+                    if not engine.closed and engine.step.step:
+                        engine.annotate_oom(exc, "in backward")
+                        break
+                raise
+        return call
+
+    torch.autograd.backward, torch.autograd.grad = map(wrap, _torch_backward)
 
 
 # At import, before torch.compile is used: dynamo recognises the context manager by identity,

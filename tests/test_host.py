@@ -21,7 +21,7 @@ from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, trans
 
 import lmsrt
 import lmsrt.cache
-from lmsrt import host_memory as host_module   # the budget: psutil, cgroups
+from lmsrt import host_memory as host_module  # the budget: psutil, cgroups
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
 from lmsrt.units import GiB, MiB
@@ -422,6 +422,21 @@ def test_slabs_idle_for_n_steps_are_given_back(threads):
     assert given == 6 * MiB
     _until(lambda: device.pinned_total == 2 * MiB)   # unregistered and freed, off the thread
     assert [s.size for s in pool.slabs] == [MiB, MiB]
+    pool.close()
+
+
+def test_a_step_gives_back_at_most_its_share():
+    """Unregistering pinned memory holds the driver: a step gives back at most
+    ``give_back_step`` bytes (at least one slab), the rest in the steps after."""
+    pool = HostPool(SimulatedDevice(), budget=1 << 40, chunk_min=MiB, chunk_max=MiB,
+                    idle_steps=1, give_back_step=2 * MiB)
+    _run_steps(pool, [MiB] * 8, 2, reserve=False)
+    given = []
+    for _ in range(6):
+        _run_steps(pool, [MiB] * 2, 1, reserve=False)
+        given.append(pool.given_back_bytes)
+    assert max(given) == 2 * MiB and sum(given) == 6 * MiB, given
+    assert pool.pinned_bytes == 2 * MiB
     pool.close()
 
 

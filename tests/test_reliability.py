@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lmsrt
 import lmsrt.say
-from lmsrt import host_memory as host_module   # the budget: psutil, cgroups
+from lmsrt import host_memory as host_module  # the budget: psutil, cgroups
 from lmsrt.device import SimulatedDevice
 from lmsrt.host_memory import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS

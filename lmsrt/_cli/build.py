@@ -17,6 +17,8 @@ def command(verbose: bool) -> None:
 
     On a CUDA GPU the first LMS (or `lmsrt info`) builds it by itself; this builds it ahead of
     time (in a container image, on a shared LMSRT_CACHE), and retries a build that failed.
+    The cache must be yours and not writable by group or others (chmod go-w); else the build
+    goes to a private folder under the temporary folder, and `lmsrt info` says why.
 
     \b
     Examples:

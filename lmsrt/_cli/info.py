@@ -120,6 +120,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
         "native_allocator": arena.NATIVE,
         "allocator": arena.native_status(),
         "copy_path": copy_path.status(),
+        "cache": _cache(),
         "settings": {k: v for k, v in os.environ.items()
                      if k in ENV_VARS or k in (ENV_GPU_LIMIT, ENV_STATS, ENV_MAX_STEPS)},
         "bandwidth": None,
@@ -127,6 +128,15 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     if bandwidth:
         data["bandwidth"] = _bandwidth(torch) if cuda else {"skipped": "no CUDA GPU"}
     return data
+
+
+def _cache() -> Dict[str, object]:
+    """Where lmsrt keeps builds and pin records, and why it would not use them ('' if it
+    would; lmsrt/cache.py, NOTE [ Trusting the cache ])."""
+    from ..cache import cache_root, unsafe
+
+    root = cache_root()
+    return {"path": root, "refused": unsafe(root) if os.path.lexists(root) else ""}
 
 
 def _gib(n: Optional[float]) -> str:
@@ -144,6 +154,8 @@ def format_info(data: Dict[str, object]) -> str:
              row("NVIDIA driver", data["nvidia_driver"]),
              row("allocator", data["allocator"]),
              row("copy path", data["copy_path"]),
+             row("cache", data["cache"]["path"] + (f" (not used: {data['cache']['refused']})"
+                                                   if data["cache"]["refused"] else "")),
              "GPUs"]
     if not data["gpus"]:
         lines.append(row("none", data["no_gpu_reason"]))

@@ -164,7 +164,7 @@ class StepBoundaries:
                                 swapped=self._swapped_last,
                                 beyond_plan=self.state.beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures,
-                                over=self.state.over)
+                                over=self.state.over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
         self.state.rec = None
         self.run_stats.add(s)

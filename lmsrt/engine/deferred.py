@@ -14,8 +14,11 @@ the step holds no more than it would have. When forward ends, those still withou
 waiting, unless use is under 1/16 of the limit: then they stay on the GPU for backward (counted as
 kept), where there is room (a backward needing 15x its forward's end use is not a real model), and
 waiting would stall the step for copies that free nothing in time. Unpack reads a held source as it
-reads any other. (The quarter and the 1/16 are the policy's: ``may_defer``,
-``may_keep_deferred``.)"""
+reads any other. Under auto (``pins_for_deferred`` false) a deferral starts no pin (only host
+memory already pinned, a layout pinned ahead by cache.py, takes a copy at once), and forward that
+ends under the quarter keeps what it deferred: a model that small fits, and its first step neither
+pins nor moves a byte (a backward needing 3x its forward's end use on top is not a real model).
+(The quarter and the 1/16 are the policy's: ``may_defer``, ``may_keep_deferred``.)"""
 from __future__ import annotations
 
 import torch
@@ -42,18 +45,18 @@ class DeferredCopies:
         return s
 
     def _settle_deferred(self) -> None:
-        """Copy out deferred storages whose pins have landed; all of them, waiting for their
-        pins, once GPU use passes what the policy defers under (``may_defer``)."""
+        """Copy out deferred storages, all of them, waiting for their pins, once GPU use passes
+        what the policy defers under (``may_defer``)."""
         if not self.policy.may_defer(self.gauge.estimate()):
             self._copy_deferred(wait=True)
         elif self.host.pins_landed:
             self._copy_deferred(wait=False)
 
     def _end_deferred(self) -> None:
-        """Forward is over: deferred storages still without a pin stay on the GPU for backward
-        where the policy allows it (``may_keep_deferred``: waiting would stall the step for copies
-        that free nothing in time); elsewhere their copies start, waiting for the pins
-        (backward's own use is not known, least of all in the learning step)."""
+        """Forward is over: deferred storages stay on the GPU for backward where the policy
+        allows it (``may_keep_deferred``: a model that small fits, and waiting would stall the
+        step for copies that free nothing in time); elsewhere their copies start, waiting for the
+        pins (backward's own use is not known, least of all in the learning step)."""
         try:
             self._copy_deferred(
                 wait=not self.policy.may_keep_deferred(self.device.memory_allocated()))

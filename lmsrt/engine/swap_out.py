@@ -36,7 +36,9 @@ class SwapOut:
         if (wait and not planned and self._forward_open and key == self._compute_key
                 and policy.may_defer(use)):
             refused = self.host.refused
-            slot = self.host.alloc(nbytes, wait=False)
+            # A policy may forbid a deferral to start a pin (NOTE [ Deferred copies ]).
+            slot = (self.host.alloc(nbytes, wait=False) if policy.pins_for_deferred
+                    else self.host.landed(nbytes))
             if slot is None:
                 return None if self.host.refused != refused else self._defer(
                     t, nbytes, seq, ref, version, stream, key)

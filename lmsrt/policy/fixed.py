@@ -35,6 +35,7 @@ class FixedPolicy(LimitShares):
 
     recording = None          # records no profile
     adapts_to_retries = False
+    pins_for_deferred = True  # a first step swaps what it defers (engine, NOTE [ Deferred copies ])
 
     def __init__(self, lms_frac: float, limit: int, window: int):
         self.lms_frac = lms_frac
@@ -102,7 +103,8 @@ class FixedPolicy(LimitShares):
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0, over: Optional[tuple] = None) -> None:
+                    failures: int = 0, over: Optional[tuple] = None,
+                    tuning: bool = False) -> None:
         """NOTE [ Fixed mark ]."""
         self._first = False
         mark = self.mark

@@ -29,6 +29,7 @@ class Policy(Protocol):
     bound: int                  # the level GPU use is kept under (``LMS.stats()``'s mark)
     overlap: int                # at a hold level of 0, the bytes held while their copies run
     adapts_to_retries: bool     # it answers allocator retries itself (no warning needed)
+    pins_for_deferred: bool     # a deferred swap may start a pin (else: host memory at hand)
     recording: Optional[Profile]    # the profile this step records, if it learns
 
     # -- the step --------------------------------------------------------------------------
@@ -36,7 +37,8 @@ class Policy(Protocol):
     def lean_step(self, plan: OffloadPlan) -> bool: ...
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0, over: Optional[tuple] = None) -> None: ...
+                    failures: int = 0, over: Optional[tuple] = None,
+                    tuning: bool = False) -> None: ...
 
     # -- how much may be held at this point --------------------------------------------------
     def swap_at(self, plan: OffloadPlan, i: int) -> int: ...
