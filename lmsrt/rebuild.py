@@ -5,7 +5,7 @@ Many tensors autograd saves are cheap, deterministic functions of other tensors 
 available anyway: GELU's output (the input of the next Linear) from GELU's input, which GELU
 saves itself; a LayerNorm's output from its input, which LayerNorm saves; under autocast, a
 weight's bf16 copy from its fp32 parameter. Running the same kernel on the same inputs again in
-backward costs one memory-bound kernel; moving the tensor costs two PCIe copies (DESIGN.md: the
+backward costs one memory-bound kernel; moving the tensor costs two PCIe copies (docs/design.md: the
 transfer floor). A ``Recorder`` (a TorchDispatchMode, so below autograd: it sees the kernels that
 run, not the Python that called them) notes, for the output of each op in ``REBUILDABLE``, the
 op, its arguments, and each tensor argument's storage (by weak reference: a recipe keeps
@@ -421,7 +421,7 @@ class RecipeTable(dict):
     """Recipes by output storage: ``id(storage) -> (_Key, Recipe)``, for the recorders of all
     threads. A storage's death queues its reference by a deque's C ``append``: no Python frame
     runs while autograd frees a graph, so a Ctrl-C cannot land in one and be lost as an
-    "Exception ignored" (NOTE [ Interrupts and versions ] in engine.py). ``note`` and ``sweep``
+    "Exception ignored" (NOTE [ Interrupts and versions ] in engine/records.py). ``note`` and ``sweep``
     drop the dead entries later; until then a lookup tells a dead one by its reference."""
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The swap policy (policy.py): lms_frac="auto" against scripted model memory on the simulated
+"""The swap policy (lmsrt/policy/): lms_frac="auto" against scripted model memory on the simulated
 device, which runs out of memory at its capacity like the caching allocator does at its limit.
 
 The model is a chain of layers that each save their input (the tensors lmsrt swaps), beside

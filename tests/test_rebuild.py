@@ -1,6 +1,6 @@
 """Recipes for saved tensors (rebuild.py, NOTE [ Recipes ]): which saved tensors a cheap op made
 from inputs that stay available, and that running the op again gives the same bits; and the
-engine rebuilding them in backward instead of moving them (engine.py, NOTE [ Rebuilt storages ]),
+engine rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt storages ]),
 with gradients compared by torch.equal against the run without LMS."""
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ class UnpackSide:
                 return self._unpack(ref)
             finally:
                 self.state.bwd_point += 1
-        with self._lock:                        # a recorded step (policy.py, NOTE [ Auto ])
+        with self._lock:                        # a recorded step (policy/auto.py, NOTE [ Auto ])
             self._record(True)
             try:
                 return self._unpack(ref)

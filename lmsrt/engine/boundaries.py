@@ -86,9 +86,9 @@ class StepBoundaries:
                     self.rebuilds.let_go()
                 self.rebuilds.retaining = self.step.step == 1
                 # A planned step that offloads nothing rebuilds nothing: no recipes (each costs
-                # the op's dispatch through Python and objects for the collector: measured on an
-                # LM that fits its cap, 1.7x the step without lmsrt). Should it swap after all,
-                # it copies; the step after notes recipes again.
+                # the op's dispatch through Python and objects for the collector: docs/design.md,
+                # "Measurements behind the engine's rules"). Should it swap after all, it
+                # copies; the step after notes recipes again.
                 self.rebuilds.noting = not (self.plan.planned and self.plan.target == 0
                                             and not self._swapped_last)
             self.host.new_step()

@@ -3,7 +3,7 @@
 NOTE [ Deferred copies ]
 A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait for
 the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the pinning,
-on the training thread (measured on an H200: 0.5-1.2 s). Outside a planned step (whose plan counts
+on the training thread (docs/design.md, "Measurements behind the engine's rules"). Outside a planned step (whose plan counts
 on each source's drop at its point), while GPU use is under a quarter of the limit, it waits for
 nothing: the storage is swapped later (``_defer``), its source held by lmsrt (counted in
 ``_held_bytes``; a recorded profile counts it as the model's own, as the model may well still use

@@ -166,7 +166,7 @@ class PackSide:
             if entry is not None and over is not None:
                 st.beyond_plan += nbytes
                 if st.over is None and plan.mode == "plan":
-                    # The first point at which the plan's prediction fell short (policy.py,
+                    # The first point at which the plan's prediction fell short (policy/auto.py,
                     # NOTE [ Auto ], 4): GPU use there, from the step's base.
                     st.over = (index, over - st.base)
         if entry is None:
@@ -180,7 +180,7 @@ class PackSide:
         return entry
 
     def _record(self, backward: bool, nbytes: int = 0) -> None:
-        """A point of a recorded step (policy.py, NOTE [ Auto ], 1): GPU use now and its peak
+        """A point of a recorded step (policy/auto.py, NOTE [ Auto ], 1): GPU use now and its peak
         since the last point, less what lmsrt held meanwhile."""
         device = self.device
         used, peak = device.memory_allocated(), device.peak_allocated()

@@ -16,15 +16,12 @@ __all__ = ["GpuGauge", "EXACT_EVERY"]
 # restored copies), never minus what it dropped (another reference may keep a dropped block
 # alive), so the estimate errs high on lmsrt's part. It reads again after this many estimates, or
 # as soon as the estimate comes within 1/16 of the level at hand, where decisions change. It
-# cannot see the
-# model's own allocations (activations not saved, transients), so a decision about a storage of
-# _EXACT_BYTES or more, whose copy takes 100x a reading, always reads: measured on an H100, a
-# segmentation net at a 16 GiB cap (1.5 GiB activations) ran 0.54 s a step on estimates, which let
-# held sources crowd out cuDNN's workspace, and 0.29 s on exact readings. The C++ copy path reads
-# exactly in ~0.3 us and never estimates.
+# cannot see the model's own allocations (activations not saved, transients), so a decision about
+# a storage of _EXACT_BYTES or more, whose copy takes 100x a reading, always reads (the figures:
+# docs/design.md, "Measurements behind the engine's rules"). The C++ copy path reads exactly in
+# ~0.3 us and never estimates.
 EXACT_EVERY = 8
 _EXACT_BYTES = 64 << 20
-
 
 
 class GpuGauge:

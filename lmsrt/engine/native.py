@@ -1,10 +1,9 @@
 """NOTE [ Steps that keep everything ]
 A model that fits its cap still passes each saved tensor through the hooks, and its forward often
-runs on the CPU's time: measured on an H200, an LM of 564 saved tensors a step at a 30 GiB cap ran
-1.10x its step without lmsrt through the Python hooks (~11 us a tensor), where minimal Python
-hooks that only check versions cost 1.03x. So a planned step whose plan offloads nothing, with
-nothing recorded, held, deferred or noted for rebuilding (``_keeps_all``, set at its first save),
-takes a lean path in ``_decide``, and where the copy path is built its packs are decided in C++
+runs on the CPU's time, where the Python hooks cost about 11 us a tensor (docs/design.md,
+"Measurements behind the engine's rules"). So a planned step whose plan offloads nothing, with
+nothing recorded, held, deferred or noted for rebuilding (``StepState.keeps_all``, set at its
+first save as ``policy.lean_step`` allows), takes a lean path in ``_decide``, and where the copy path is built its packs are decided in C++
 (csrc/copy_path.cpp, ``Keeper``; ``native_hooks``): the first save of the step arms it (``_arm``)
 with the plan's sizes and the policy's swap levels per point, and from there it keeps each saved
 tensor as the Python path would (the same eligibility, the same counts) while the step's sizes
@@ -15,8 +14,7 @@ Python, which swaps as the policy decides. The same happens when forward ends or
 Its handles are tuples (tensor, version, grad_fn name, output number, thread); in backward, while
 nothing is to be prefetched or recorded, C++ checks their versions and hands the tensors back,
 and anything else (a version changed: autograd's error) goes to ``unpack``. The C++ hooks hold
-the engine; the engine holds them weakly and the LMS holds them, so a dropped LMS is freed at once.
-Measured side by side on that LM: 1.04x with the C++ hooks, 1.10x with the Python ones."""
+the engine; the engine holds them weakly and the LMS holds them, so a dropped LMS is freed at once."""
 from __future__ import annotations
 
 import weakref

@@ -16,7 +16,7 @@ cannot be made (no room for a second copy, an input gone), the storage is swappe
 carries the recipe as a check: its first use rebuilds it beside the copy and compares on the GPU
 (``Rebuilds.check``); the step's end reads the comparisons, and that signature's storages are
 rebuilt from the next step on. Prefetch walks past rebuilt storages; the plan offloads rebuildable
-storages first (policy.py). A planned step that offloads nothing notes no recipes
+storages first (policy/auto.py). A planned step that offloads nothing notes no recipes
 (``Rebuilds.noting``; under ``with lms:`` per step no recorder is entered at all)."""
 from __future__ import annotations
 

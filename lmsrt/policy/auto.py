@@ -3,7 +3,7 @@
 NOTE [ Auto ]
 What the model itself allocates beside the saved tensors rises and falls inside a step:
 workspaces, fp32 upcasts, a vocabulary-sized logits tensor and its gradient, gradients, optimizer
-temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is not flat").
+temporaries. One mark cannot fit them all (docs/design.md, "The model's own memory is not flat").
 
   1. Learn. The first step swaps every eligible storage and holds the least (the overlap rule,
      one storage fetched ahead while use stays under a quarter of the limit:

@@ -45,7 +45,7 @@ class Profile:
         """A weak reference to storage i whose death closes its span in ``held`` at the point
         where it happened. The callback is a deque's C ``append``: no Python frame runs while
         autograd frees a graph, so a Ctrl-C cannot land in one and be lost (NOTE [ Interrupts
-        and versions ] in engine.py); the next point, or the close, reads the queue. The
+        and versions ] in engine/records.py); the next point, or the close, reads the queue. The
         caller keeps the reference (a dead one calls nothing)."""
         ref = _Freed(storage, self._freed.append)
         ref.index = i
