@@ -39,8 +39,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 GiB = 2**30
-# A cap per workload at which lmsrt must move gigabytes (the uncapped peaks are in docs/design.md and
-# benchmarks/workloads.py): gpt 18.2, lm 27.5, seg 15.7 GiB.
+# A cap per workload at which lmsrt must move gigabytes (the uncapped peaks are in docs/design.md
+# and benchmarks/workloads.py): gpt 18.2, lm 27.5, seg 15.7 GiB.
 CAPS = {"gpt": 12.0, "lm": 14.0, "seg": 12.0, "gptbig": 16.0, "gptsmall": 2.0}
 SETTLED_STEPS = 5
 TARGET_RATIO = 1.15

@@ -42,7 +42,8 @@ class Diagnostics:
                         "the memory they hold is not saved.", given=self.given, stacklevel=4)
 
     def copy_out_failed(self, nbytes: int, e: Exception) -> None:
-        """A copy to host memory raised; the tensor stays on the GPU (engine/__init__.py, NOTE [ Stream lifetimes ], Rule 7)."""
+        """A copy to host memory raised; the tensor stays on the GPU (engine/__init__.py,
+        NOTE [ Stream lifetimes ], Rule 7)."""
         say_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to host "
                         f"memory failed ({type(e).__name__}: {e}); it stays on the GPU, as will "
                         "any other whose copy fails, and gradients are unaffected. If the GPU "

@@ -11,8 +11,9 @@ recorded for the next one. The sequence a step is matched against is the last st
 policy planned for another (``expect``: the sequence its profile learnt); a step that differs
 from it by a larger storage, or by more of them, has ``grown`` from there on.
 
-Storages that the engine may rebuild in backward instead of moving (``rebuildable``: engine/recipes.py,
-NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes them first.
+Storages that the engine may rebuild in backward instead of moving (``rebuildable``:
+engine/recipes.py, NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes
+them first.
 
 Storages that outlived last step's backward anyway (an input batch, a buffer, a frozen weight
 held as a tensor) are kept: copying them out frees nothing. That set is relearnt every

@@ -419,10 +419,10 @@ class _Key(weakref.ref):
 
 class RecipeTable(dict):
     """Recipes by output storage: ``id(storage) -> (_Key, Recipe)``, for the recorders of all
-    threads. A storage's death queues its reference by a deque's C ``append``: no Python frame
-    runs while autograd frees a graph, so a Ctrl-C cannot land in one and be lost as an
-    "Exception ignored" (NOTE [ Interrupts and versions ] in engine/records.py). ``note`` and ``sweep``
-    drop the dead entries later; until then a lookup tells a dead one by its reference."""
+    threads. A storage's death queues its reference by a deque's C ``append``: no Python frame runs
+    while autograd frees a graph, so a Ctrl-C cannot land in one and be lost as an "Exception
+    ignored" (NOTE [ Interrupts and versions ] in engine/records.py). ``note`` and ``sweep`` drop
+    the dead entries later; until then a lookup tells a dead one by its reference."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -753,18 +753,17 @@ def test_deferred_swaps_without_a_pin_by_forwards_end_stay_on_the_gpu_exactly():
         assert first["out_bytes"] == 0 and first["host_pin_wait_s"] == 0, first
         assert first["kept_bytes"] > 0 and first["deferred_tensors"] > 0, first
         engine = lms._engine
-        with engine._lock:
-            engine._reap()                       # the handles that died in backward
-        assert engine._held_bytes == 0 and all(s.dead for s in engine._order)
+        left = engine.outstanding()              # after the handles that died in backward
+        assert left["held_bytes"] == 0 and left["released"] == left["storages"]
         dropped, _ = _lagging_lms()
         dropped._engine.host.device.pin_gate.clear()
         with dropped:
             model(x).sum()                       # a first forward whose graph is dropped
         engine = dropped._engine
-        assert engine._held_bytes > 0 and engine._deferred == collections.deque()
-        with engine._lock:
-            engine._reap()
-        assert engine._held_bytes == 0 and all(s.dead for s in engine._order)
+        left = engine.outstanding(reap=False)
+        assert left["held_bytes"] > 0 and left["deferred"] == 0
+        left = engine.outstanding()
+        assert left["held_bytes"] == 0 and left["released"] == left["storages"]
         dropped._engine.host.device.pin_gate.set()
         dropped.close()
     finally:

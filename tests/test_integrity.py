@@ -300,7 +300,7 @@ def test_no_python_runs_when_autograd_drops_a_handle(lms_frac):
     finally:
         sys.setprofile(None)
     assert not calls, calls
-    assert len(lms._engine._dead) >= 1
+    assert lms._engine.outstanding(reap=False)["dead_handles"] >= 1
 
 
 def test_lmsrt_run_exits_130_on_every_ctrl_c(tmp_path):
@@ -416,7 +416,8 @@ def test_soak_threads_keep_counts_host_and_python_memory_flat():
     assert grown < 64 << 10, grown
     with lms:
         engine = lms._engine
-        assert engine.host.used_bytes == 0 and not engine._order and not engine._dead
+        left = engine.outstanding(reap=False)
+        assert engine.host.used_bytes == 0 and left["storages"] == left["dead_handles"] == 0
 
 
 # -- regions without hooks, kinds that cannot be swapped ---------------------------------------

@@ -1,8 +1,8 @@
 """The C++ saved-tensor hooks (csrc/copy_path.cpp, ``Keeper``) that decide the packs of a step
-whose plan keeps everything (engine/native.py, NOTE [ Steps that keep everything ]). Built here against
-CPU torch and run on the simulated device, side by side with the Python hooks: the same
-decisions, counts and gradients; the Python hooks take over wherever the plan stops holding in
-the middle of a forward (a storage of another size, GPU use over the policy's level); autograd's
+whose plan keeps everything (engine/native.py, NOTE [ Steps that keep everything ]). Built here
+against CPU torch and run on the simulated device, side by side with the Python hooks: the same
+decisions, counts and gradients; the Python hooks take over wherever the plan stops holding in the
+middle of a forward (a storage of another size, GPU use over the policy's level); autograd's
 in-place error; and no cycle that would keep a dropped LMS alive."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Recipes for saved tensors (rebuild.py, NOTE [ Recipes ]): which saved tensors a cheap op made
-from inputs that stay available, and that running the op again gives the same bits; and the
-engine rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt storages ]),
+from inputs that stay available, and that running the op again gives the same bits; and the engine
+rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt storages ]),
 with gradients compared by torch.equal against the run without LMS."""
 from __future__ import annotations
 
@@ -412,7 +412,8 @@ def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
     engine = lms._engine
     with lms:
         pass
-    assert engine.host.used_bytes == 0 and all(s.dead for s in engine._order)
+    left = engine.outstanding(reap=False)
+    assert engine.host.used_bytes == 0 and left["released"] == left["storages"]
 
 
 def _three_exact_steps_of_a_gelu_pair(steps=3):
@@ -685,7 +686,8 @@ def test_an_input_whose_entry_died_in_forward_is_made_by_its_own_recipe():
         assert_same(ref, _train(model, x, lms=lms))
         with lms:                              # a step boundary: everything given back
             pass
-        assert engine._ahead == 0 and not engine._order and engine.host.used_bytes == 0
+        left = engine.outstanding(reap=False)
+        assert left["restored_bytes"] == left["storages"] == 0 and engine.host.used_bytes == 0
     assert _steps(lms)[-2]["rebuilt_bytes"] > 0
 
 
@@ -751,7 +753,8 @@ def test_an_interrupt_anywhere_in_a_rebuild_leaves_the_lms_usable(line):
         assert_same(ref, _train(model, x, lms=lms))
     engine = lms._engine
     with lms:
-        assert engine.host.used_bytes == 0 and engine._ahead == 0
+        left = engine.outstanding(reap=False)
+        assert engine.host.used_bytes == 0 and left["restored_bytes"] == 0
     lms.close()
 
 

@@ -62,7 +62,8 @@ def _boundary_is_clean(lms):
     engine = lms._engine
     with lms:
         assert engine.host.used_bytes == 0, engine.host.used_bytes
-        assert not engine._order and not engine._dead and not engine._held
+        left = engine.outstanding(reap=False)
+        assert left["storages"] == left["dead_handles"] == left["held"] == 0
 
 
 def _failing(copy, when=lambda: True):
@@ -385,7 +386,8 @@ def _check_soak(kind, steps):
         shape = shapes[(step // repeat) % len(shapes)]
         model.zero_grad(set_to_none=True)
         with lms:
-            assert engine.host.used_bytes == 0 and not engine._order and not engine._dead
+            left = engine.outstanding(reap=False)
+            assert engine.host.used_bytes == 0 and left["storages"] == left["dead_handles"] == 0
             use = engine.device.memory_allocated()
             out = model(inputs[shape])
         assert not engine.state.by_ptr

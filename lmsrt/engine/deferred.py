@@ -1,24 +1,24 @@
 """Copies started later, once their pins land, so that forward need not wait for pinning.
 
 NOTE [ Deferred copies ]
-A swap that must not leave its tensor on the GPU (a planned step, the learning step) would wait for
-the pin that serves it (host.py, NOTE [ Pinning ]): in the first step that is most of the pinning,
-on the training thread (docs/design.md, "Measurements behind the engine's rules"). Outside a planned step (whose plan counts
-on each source's drop at its point), while GPU use is under a quarter of the limit, it waits for
-nothing: the storage is swapped later (``_defer``), its source held by lmsrt (counted in
-``_held_bytes``; a recorded profile counts it as the model's own, as the model may well still use
-it meanwhile: ``_lmsrt_bytes``) and its copy started in save order once pins land (checked at
-each save).
-Once use passes the quarter, the remaining deferred copies start first, waiting for their pins, so
-the step holds no more than it would have. When forward ends, those still without a pin start too,
-waiting, unless use is under 1/16 of the limit: then they stay on the GPU for backward (counted as
-kept), where there is room (a backward needing 15x its forward's end use is not a real model), and
-waiting would stall the step for copies that free nothing in time. Unpack reads a held source as it
-reads any other. Under auto (``pins_for_deferred`` false) a deferral starts no pin (only host
-memory already pinned, a layout pinned ahead by cache.py, takes a copy at once), and forward that
-ends under the quarter keeps what it deferred: a model that small fits, and its first step neither
-pins nor moves a byte (a backward needing 3x its forward's end use on top is not a real model).
-(The quarter and the 1/16 are the policy's: ``may_defer``, ``may_keep_deferred``.)"""
+A swap that must not leave its tensor on the GPU (a planned step, the
+learning step) would wait for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step
+that is most of the pinning, on the training thread (docs/design.md, "Measurements behind the
+engine's rules"). Outside a planned step (whose plan counts on each source's drop at its point),
+while GPU use is under a quarter of the limit, it waits for nothing: the storage is swapped later
+(``_defer``), its source held by lmsrt (counted in ``_held_bytes``; a recorded profile counts it as
+the model's own, as the model may well still use it meanwhile: ``_lmsrt_bytes``) and its copy
+started in save order once pins land (checked at each save). Once use passes the quarter, the
+remaining deferred copies start first, waiting for their pins, so the step holds no more than it
+would have. When forward ends, those still without a pin start too, waiting, unless use is under
+1/16 of the limit: then they stay on the GPU for backward (counted as kept), where there is room (a
+backward needing 15x its forward's end use is not a real model), and waiting would stall the step
+for copies that free nothing in time. Unpack reads a held source as it reads any other. Under auto
+(``pins_for_deferred`` false) a deferral starts no pin (only host memory already pinned, a layout
+pinned ahead by cache.py, takes a copy at once), and forward that ends under the quarter keeps what
+it deferred: a model that small fits, and its first step neither pins nor moves a byte (a backward
+needing 3x its forward's end use on top is not a real model). (The quarter and the 1/16 are the
+policy's: ``may_defer``, ``may_keep_deferred``.)"""
 from __future__ import annotations
 
 import torch

@@ -2,19 +2,20 @@
 A model that fits its cap still passes each saved tensor through the hooks, and its forward often
 runs on the CPU's time, where the Python hooks cost about 11 us a tensor (docs/design.md,
 "Measurements behind the engine's rules"). So a planned step whose plan offloads nothing, with
-nothing recorded, held, deferred or noted for rebuilding (``StepState.keeps_all``, set at its
-first save as ``policy.lean_step`` allows), takes a lean path in ``_decide``, and where the copy path is built its packs are decided in C++
-(csrc/copy_path.cpp, ``Keeper``; ``native_hooks``): the first save of the step arms it (``_arm``)
-with the plan's sizes and the policy's swap levels per point, and from there it keeps each saved
-tensor as the Python path would (the same eligibility, the same counts) while the step's sizes
-follow the plan and GPU use stays under the level. Anything else goes to ``_take_over``, which
-first takes over what the C++ side counted (``_absorb``: forward points, the sizes for the plan,
-the storages kept, the step's counts; it disarms for the rest of the step) and then packs in
-Python, which swaps as the policy decides. The same happens when forward ends or stats are read.
-Its handles are tuples (tensor, version, grad_fn name, output number, thread); in backward, while
-nothing is to be prefetched or recorded, C++ checks their versions and hands the tensors back,
-and anything else (a version changed: autograd's error) goes to ``unpack``. The C++ hooks hold
-the engine; the engine holds them weakly and the LMS holds them, so a dropped LMS is freed at once."""
+nothing recorded, held, deferred or noted for rebuilding (``StepState.keeps_all``, set at its first
+save as ``policy.lean_step`` allows), takes a lean path in ``_decide``, and where the copy path is
+built its packs are decided in C++ (csrc/copy_path.cpp, ``Keeper``; ``native_hooks``): the first
+save of the step arms it (``_arm``) with the plan's sizes and the policy's swap levels per point,
+and from there it keeps each saved tensor as the Python path would (the same eligibility, the same
+counts) while the step's sizes follow the plan and GPU use stays under the level. Anything else goes
+to ``_take_over``, which first takes over what the C++ side counted (``_absorb``: forward points,
+the sizes for the plan, the storages kept, the step's counts; it disarms for the rest of the step)
+and then packs in Python, which swaps as the policy decides. The same happens when forward ends or
+stats are read. Its handles are tuples (tensor, version, grad_fn name, output number, thread); in
+backward, while nothing is to be prefetched or recorded, C++ checks their versions and hands the
+tensors back, and anything else (a version changed: autograd's error) goes to ``unpack``. The C++
+hooks hold the engine; the engine holds them weakly and the LMS holds them, so a dropped LMS is
+freed at once."""
 from __future__ import annotations
 
 import weakref

@@ -14,16 +14,16 @@ class Prefetch:
         """Backward moved on: fetch the swapped storages it needs next, in reverse save
         order, while the restored-but-unused bytes stay within ``window`` and GPU use stays under
         the policy's level (``fetch_to``). Backward uses saved data faster than H2D brings it back,
-        so fetching starts as soon as memory allows, not when the data is near. At a level of 0 (``lms_frac=0``) one storage is still fetched ahead,
-        so that a copy overlaps compute; above 0 the level holds strictly, since in plan mode the
-        next swapped storage is needed only late in backward and fetching it early would land on
-        the peak. A learning step (auto's level of 0) fetches that one ahead only while GPU use
-        with it stays under a quarter of the limit: it cannot know the model's transients yet,
-        and one that fails for lmsrt's copy is not a one-off: cuDNN then runs the next algorithm
-        whose workspace fits and keeps it for the run (``policy.lone_fetch_under``; the figures:
-        docs/design.md, "Measurements behind the engine's rules").
-        Backward does not walk the save order strictly downwards (inside a block it jumps about),
-        so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
+        so fetching starts as soon as memory allows, not when the data is near. At a level of 0
+        (``lms_frac=0``) one storage is still fetched ahead, so that a copy overlaps compute; above
+        0 the level holds strictly, since in plan mode the next swapped storage is needed only late
+        in backward and fetching it early would land on the peak. A learning step (auto's level of
+        0) fetches that one ahead only while GPU use with it stays under a quarter of the limit: it
+        cannot know the model's transients yet, and one that fails for lmsrt's copy is not a
+        one-off: cuDNN then runs the next algorithm whose workspace fits and keeps it for the run
+        (``policy.lone_fetch_under``; the figures: docs/design.md, "Measurements behind the engine's
+        rules"). Backward does not walk the save order strictly downwards (inside a block it jumps
+        about), so the walk is by a cursor that skips what is resident, used, or alive elsewhere."""
         order, policy = self._order, self.policy
         level = policy.fetch_to(self.plan, self.state.bwd_point)
         cap = policy.lone_fetch_under(level)

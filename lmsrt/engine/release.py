@@ -18,6 +18,26 @@ class Release:
 
     # -- release -----------------------------------------------------------------------------
 
+    def outstanding(self, reap: bool = True) -> dict:
+        """What the engine still tracks (``reap``: after giving back what dead storages held):
+        ``storages`` swapped or rebuilt since the last step boundary, of which ``released``;
+        sources ``held`` on the GPU while their copies run (``held_bytes``) and ``deferred``;
+        restored bytes not yet used (``restored_bytes``); handles dropped by autograd and not
+        yet reaped (``dead_handles``).
+
+        Example::
+
+            assert engine.outstanding()["held_bytes"] == 0     # after backward, every copy done
+        """
+        with self._lock:
+            if reap:
+                self._reap()
+            order = self._order
+            return {"storages": len(order), "released": sum(s.dead for s in order),
+                    "held": len(self._held), "held_bytes": self._held_bytes,
+                    "deferred": len(self._deferred), "restored_bytes": self._ahead,
+                    "dead_handles": len(self._dead)}
+
     def _reap(self) -> None:
         """Give back what dead storages held (autograd freed every graph that used them). A
         watch leaves the queue only once handled, so an interrupt in here loses nothing."""

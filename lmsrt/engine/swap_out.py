@@ -1,9 +1,9 @@
 """Swap-out: a storage's copy to host memory, and its GPU source held until the copy is done.
 
-Bounding what forward holds (docs/design.md, "Freeing memory in forward"): copies run at ~55 GB/s and
-forward makes activations several times faster, so sources still being copied pile up. When held
-sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its
-source is dropped at once (Rule 2)."""
+Bounding what forward holds (docs/design.md, "Freeing memory in forward"): copies run at ~55 GB/s
+and forward makes activations several times faster, so sources still being copied pile up. When held
+sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its source
+is dropped at once (Rule 2)."""
 from __future__ import annotations
 
 from typing import Optional
