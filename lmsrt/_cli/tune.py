@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
+from ..launch.script import check_script
 from ..launch.tuning import (BISECT_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
                              compare_auto, pareto_front, reference_lms, run_command, write_plot,
                              write_results)
@@ -115,9 +116,10 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
         raise click.UsageError("no script given; name it after the options, e.g. "
                                "lmsrt tune --gpu-limit 12 -- train.py --batch-size 8")
     script, args = target_and_args[0], list(target_and_args[1:])
-    if not os.path.isfile(script):
-        raise click.UsageError(f"script {script!r} does not exist; give the path of a Python "
-                               "file, e.g. lmsrt tune -- train.py")
+    try:
+        check_script(script, "lmsrt tune -- train.py")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     names = [name for name, _ in params]
     if len(set(names)) != len(names):
         raise click.UsageError(f"--param names a flag twice ({', '.join(names)}); give each "
