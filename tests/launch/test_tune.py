@@ -242,7 +242,7 @@ def test_compare_auto(trials, summary, beats):
 
 def fake_trials(monkeypatch, speeds):
     """Trials that do not run: ``speeds[(lms, frac)]`` steps/s, or their status."""
-    def run_trial(sweep, trial, tick):
+    def run_trial(sweep, trial, tick, steps):
         outcome = speeds[(trial.lms, trial.lms_frac)]
         if isinstance(outcome, str):
             trial.status, trial.error = outcome, f"{outcome} at {trial.lms_frac}"
