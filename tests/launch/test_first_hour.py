@@ -156,3 +156,25 @@ def test_stats_json_carries_version_and_schema(tmp_path):
     assert invoke("run", "-q", "--stats", str(stats), write(tmp_path / "s.py", "")).exit_code == 0
     data = json.loads(stats.read_text())
     assert data["lmsrt_version"] == __version__ and isinstance(data["schema"], int)
+
+
+def test_info_json_carries_version_and_schema():
+    result = invoke("info", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["lmsrt_version"] == __version__ and isinstance(data["schema"], int)
+
+
+def test_info_says_whether_the_compiler_and_ninja_are_there(monkeypatch):
+    from lmsrt._cli import info
+
+    found = info.collect()["build_tools"]
+    assert set(found) == {"cxx_name", "cxx", "ninja"}
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    real_which = info.shutil.which
+    monkeypatch.setattr(info.shutil, "which",
+                        lambda name, path=None: None if name == "ninja" else real_which(name))
+    data = info.collect()
+    assert data["build_tools"] == {"cxx_name": "no-such-compiler", "cxx": None, "ninja": None}
+    text = info.format_info(data)
+    assert "none: no-such-compiler is not on PATH" in text and "pip install ninja" in text
