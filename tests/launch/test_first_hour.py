@@ -178,3 +178,27 @@ def test_info_says_whether_the_compiler_and_ninja_are_there(monkeypatch):
     assert data["build_tools"] == {"cxx_name": "no-such-compiler", "cxx": None, "ninja": None}
     text = info.format_info(data)
     assert "none: no-such-compiler is not on PATH" in text and "pip install ninja" in text
+
+
+# -- README and --help say the same ------------------------------------------------------------
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("`", "").split())
+
+
+def test_readme_and_help_agree():
+    from lmsrt._cli import main
+
+    readme = _flat(open(README, encoding="utf-8").read())
+    build = _flat(main.commands["build"].help)
+    took = build[build.index("(") + 1:build.index(";")]
+    assert took == "14-16 s on an H200 host, 18 s on a CPU host" and took in readme
+    [fracs] = [p for p in main.commands["tune"].params if p.name == "fracs"]
+    help_text = _flat(fracs.help)
+    order = help_text[help_text.index("Order of trials:"):help_text.index("lowest first.") + 13]
+    assert order in readme
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "pip install -e . compiles one thing" in readme
