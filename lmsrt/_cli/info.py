@@ -2,8 +2,9 @@
 
 Versions (lmsrt, torch, CUDA runtime, NVIDIA driver), the GPUs and their free memory, host memory
 and the pinned budget lmsrt would use per local rank, whether the native allocator and the C++
-copy path are in use, the ``LMSRT_*`` settings in the environment, whether the C++ compiler and ninja that
-the copy path's first-use build needs are there, and with ``--bandwidth`` the pinned copy speed. On a CUDA GPU where the copy path is not built yet, asking for it builds it
+copy path are in use, the ``LMSRT_*`` settings in the environment, whether the C++ compiler
+and ninja that the copy path's first-use build needs are there, and with ``--bandwidth`` the
+pinned copy speed. On a CUDA GPU where the copy path is not built yet, asking for it builds it
 (lmsrt/copy_path.py, NOTE [ Building on first use ]), as the first LMS would.
 """
 from __future__ import annotations

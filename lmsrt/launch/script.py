@@ -80,8 +80,9 @@ def run_script(target: str, args: Sequence[str], *, as_module: bool = False,
                around: Optional[ContextManager] = None,
                finished: Tuple[Type[BaseException], ...] = (),
                quiet: Tuple[Type[BaseException], ...] = ()) -> ScriptEnd:
-    """Run the script ``target`` (a file, a directory or zip file with a ``__main__.py``; a module with ``as_module``, as ``python -m``) with ``args``,
-    inside the context manager ``around`` if given; return how it ended.
+    """Run the script ``target`` (a file, or a directory or zip file with a ``__main__.py``; a
+    module with ``as_module``, as ``python -m``) with ``args``, inside the context manager
+    ``around`` if given; return how it ended.
 
     Status as under python: 0 when it returns, ``sys.exit``'s status (a message printed), 130
     after Ctrl-C, else 1 with the script's traceback printed. Exceptions in ``finished`` end it

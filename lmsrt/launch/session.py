@@ -55,8 +55,9 @@ from ..units import GiB
 from .output import check_output_file, write_atomic
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS",
-           "ENV_SUMMARY", "SUMMARY_MODES", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID", "Session", "StepClock", "check_environment",
-           "check_gpu_limit", "start", "stats_path_for_rank"]
+           "ENV_SUMMARY", "SUMMARY_MODES", "STATS_SCHEMA", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID",
+           "Session", "StepClock", "check_environment", "check_gpu_limit", "start",
+           "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
 ENV_STATS = "LMSRT_STATS"
@@ -213,7 +214,6 @@ class Session:
             self.lms.close()
         return written
 
-
     def _summary(self, failed: bool) -> str:
         data = self.stats()
         if self.summary == "on" or (moved(data) and not failed):
@@ -282,8 +282,9 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
     """Cap the GPU, enable LMS on this thread for good, and return the session to ``finish()``.
 
     Arguments left None come from ``environ`` (``LMSRT_STATS``, ``LMSRT_GPU_LIMIT_GB``,
-    ``LMSRT_SUMMARY``, and the LMS settings through ``LMS.from_env``). The device is ``LMSRT_DEVICE`` if set, else
-    ``cuda:LOCAL_RANK`` under torchrun (made the current device), else the current CUDA device.
+    ``LMSRT_SUMMARY``, and the LMS settings through ``LMS.from_env``). The device is
+    ``LMSRT_DEVICE`` if set, else ``cuda:LOCAL_RANK`` under torchrun (made the current device),
+    else the current CUDA device.
     Raises ValueError, before anything starts, for a bad setting or a stats file that cannot be
     written.
 

@@ -33,14 +33,15 @@ ran out of memory (they would too).
 
 NOTE [ Timing noise ]
 A trial is timed by its step times after the warm-up (at least ``MIN_TIMED`` of them, else it is
-not compared), and its spread is half their interquartile range over the median. One trial is measurably faster than
-another only when its median is more than ``TIE`` faster and its slow quartile is faster than the
-other's fast quartile (``faster``). When the fastest trial of a search and a rival are apart by more
-than ``TIE`` but not measurably, both run again with twice the steps, up to ``WIDEN_ROUNDS`` times,
-their new step times joining the old ones; the rival is auto when the fastest is a fixed setting
-(that is the claim the summary makes), else the slowest trial within the fastest's spread. What is
-still within noise after that is said to be: no recommendation when no trial is measurably slower
-than the fastest, and no "fixed beats auto" unless it does measurably.
+not compared), and its spread is half their interquartile range over the median. One trial is
+measurably faster than another only when its median is more than ``TIE`` faster and its slow
+quartile is faster than the other's fast quartile (``faster``). When the fastest trial of a search
+and a rival are apart by more than ``TIE`` but not measurably, both run again with twice the
+steps, up to ``WIDEN_ROUNDS`` times, their new step times joining the old ones; the rival is auto
+when the fastest is a fixed setting (that is the claim the summary makes), else the slowest trial
+within the fastest's spread. What is still within noise after that is said to be: no
+recommendation when no trial is measurably slower than the fastest, and no "fixed beats auto"
+unless it does measurably.
 """
 from __future__ import annotations
 
@@ -385,7 +386,8 @@ class Sweep:
                 except StopIteration:
                     break
                 trial = Trial(len(self.trials) + 1, lms, frac, params, args)
-                self._run(trial, self.steps, on_start, on_tick, on_done)
+                self._run(trial, self.steps, on_start, on_tick)
+                on_done(trial)
                 if self.broken:
                     return self.trials
                 finished = trial
@@ -394,11 +396,10 @@ class Sweep:
                 return self.trials
         return self.trials
 
-    def _run(self, trial: Trial, steps: int, on_start, on_tick, on_done) -> None:
+    def _run(self, trial: Trial, steps: int, on_start, on_tick) -> None:
         on_start(trial)
         self._run_trial(trial, lambda seconds: on_tick(trial, seconds), steps)
         self.trials.append(trial)
-        on_done(trial)
         if trial.status == "crash":
             same = next((t for t in self.trials[:-1]
                          if t.status == "crash" and t.error == trial.error), None)
@@ -416,12 +417,15 @@ class Sweep:
             for original in pair:
                 repeat = Trial(len(self.trials) + 1, original.lms, original.lms_frac, params,
                                original.args, repeat_of=original.id)
-                self._run(repeat, steps, on_start, on_tick, on_done)
-                if self.broken or not repeat.step_times_s:
-                    return       # it did not time again: its first timing stands
-                original.set_times(original.step_times_s + repeat.step_times_s)
-                repeat.error = (f"repeat of trial {original.id} with {steps} steps: its step "
-                                f"times join that trial's ({spread_text(original)} now)")
+                self._run(repeat, steps, on_start, on_tick)
+                timed = repeat.status == "ok" and repeat.step_times_s
+                if timed:
+                    original.set_times(original.step_times_s + repeat.step_times_s)
+                    repeat.error = (f"repeat of trial {original.id} with {steps} steps: its step "
+                                    f"times join that trial's ({spread_text(original)} now)")
+                on_done(repeat)
+                if self.broken or not timed:
+                    return       # it did not time again: the first timing stands
 
     def _run_trial(self, trial: Trial, tick: Callable[[float], None], steps: int) -> None:
         base = os.path.join(self.log_dir, f"{trial.id:03d}")
@@ -646,7 +650,7 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
     ranked = [t for t in sweep.trials if t.ranked]
     if not ranked:
         return "no trial was timed, so no plot"
-    front, best = set(pareto_front(ranked)), best_trial(ranked)
+    front, best = set(pareto_front(ranked)), recommend(ranked)
     unit, scale = ("GiB", GiB) if max(t.gpu_peak_bytes for t in ranked) >= GiB else ("MiB", MiB)
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
@@ -671,8 +675,9 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
         ax.scatter([t.gpu_peak_bytes / scale for t in autos], [t.steps_per_s for t in autos],
                    marker="D", s=110, facecolors="none", edgecolors="tab:red",
                    label="lms_frac auto", zorder=4)
-    ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
-               facecolors="none", edgecolors="black", label="recommended", zorder=4)
+    if best is not None:
+        ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
+                   facecolors="none", edgecolors="black", label="recommended", zorder=4)
     ax.set_xlabel(f"peak GPU memory ({unit})")
     ax.set_ylabel("steps/s")
     ax.set_title(f"lmsrt tune: {os.path.basename(sweep.script)} (labels: lms/lms_frac)")

@@ -3,7 +3,6 @@ the trials' spread are noise, a trial with too few timed steps is not compared.
 """
 import json
 
-import pytest
 import torch
 
 from lmsrt import __version__
