@@ -110,7 +110,8 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
     Options go before SCRIPT (or before --); everything after it is the script's own. Each
     trial stops after --steps steps. At the end: a table, results.csv, results.json, a plot of
     speed against GPU memory, whether a fixed --lms-frac beats auto, and the lmsrt run command
-    to use.
+    to use, or that no setting is measurably faster (differences within the trials' spread).
+    The same crash in two trials stops it: the script is broken.
 
     \b
     Examples:

@@ -292,11 +292,24 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
 
         session = start(lms_overrides={"lms": 1000, "lms_frac": 0.5}, stats_path="s.json")
     """
+    original = _plain_lmsrt_warnings()
+    try:
+        session = _session(os.environ if environ is None else environ, lms_overrides,
+                           stats_path, gpu_limit_gb, summary)
+    except BaseException:
+        warnings.formatwarning = original
+        raise
+    session._formatwarning = original
+    return session.start()
+
+
+def _session(environ: Mapping[str, str], lms_overrides: Optional[dict],
+             stats_path: Optional[str], gpu_limit_gb: Optional[float],
+             summary: Optional[str]) -> Session:
     import torch
 
     from ..lms import LMS
 
-    environ = os.environ if environ is None else environ
     max_steps = _max_steps(environ)
     summary = summary or _summary_mode(environ)
     rank = int(environ.get("RANK", 0) or 0)
@@ -323,17 +336,9 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
         fraction = check_gpu_limit(gpu_limit_gb, index)
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, index)
-    original = _plain_lmsrt_warnings()
-    try:
-        lms = LMS.from_env(**overrides)
-    except BaseException:
-        warnings.formatwarning = original
-        raise
-    session = Session(lms, stats_path=stats_path, rank=rank,
-                      world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps,
-                      summary=summary)
-    session._formatwarning = original
-    return session.start()
+    return Session(LMS.from_env(**overrides), stats_path=stats_path, rank=rank,
+                   world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps,
+                   summary=summary)
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None,

@@ -48,6 +48,14 @@ def test_quiet_and_summary_together_exit_2(tmp_path):
     assert result.exit_code == 2 and "give one" in result.output
 
 
+def test_bad_summary_variable_exits_2_before_the_script(tmp_path):
+    marker = tmp_path / "ran"
+    script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w')\n")
+    result = lmsrt_process("run", script, env=clean_env(LMSRT_SUMMARY="loud"))
+    assert result.returncode == 2 and "LMSRT_SUMMARY='loud'" in result.stderr
+    assert not marker.exists()
+
+
 def test_summary_bytes_use_the_byte_formatter():
     stats = {"config": {"lms": 1000, "lms_frac": 0.5, "recompute": False}, "device": "simulated",
              "mark_bytes": GiB, "allocator": "native", "copy_path": "python"}
