@@ -15,7 +15,7 @@ from . import arena
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
-from .options import OPTIONS, describe
+from .options import OPTIONS, describe, spelled
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
@@ -40,7 +40,7 @@ def _say_no_gpu_once() -> None:
     if not _said_no_gpu:
         warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
                       "machine, or simulate one on the CPU: device='sim' (under lmsrt run: "
-                      "LMSRT_DEVICE=sim).", RuntimeWarning, stacklevel=3)
+                      f"{spelled('device', 'sim')}).", RuntimeWarning, stacklevel=3)
     _said_no_gpu = True
 
 
