@@ -15,7 +15,7 @@ from . import arena
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
-from .options import OPTIONS, describe
+from .options import OPTIONS, describe, spelled
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
@@ -39,8 +39,8 @@ def _say_no_gpu_once() -> None:
     global _said_no_gpu
     if not _said_no_gpu:
         warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
-                      "machine, or pass device='sim' to test on the CPU.", RuntimeWarning,
-                      stacklevel=3)
+                      "machine, or simulate one on the CPU: device='sim' (under lmsrt run: "
+                      f"{spelled('device', 'sim')}).", RuntimeWarning, stacklevel=3)
     _said_no_gpu = True
 
 
