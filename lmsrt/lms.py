@@ -12,7 +12,7 @@ from . import arena, torch_patches
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
-from .options import OPTIONS, describe
+from .options import OPTIONS, describe, spelled
 from .say import say_once
 from .stats import StepStats, format_summary
 
@@ -107,8 +107,8 @@ class LMS:
                 # Once per process: a CPU-only run that builds an LMS per model or per epoch
                 # needs one line.
                 say_once("no-gpu", "lmsrt: no CUDA device is available, so LMS does nothing; "
-                         "run on a GPU machine, or pass device='sim' to test on the CPU.",
-                         stacklevel=2)
+                         "run on a GPU machine, or simulate one on the CPU: device='sim' (under "
+                         f"lmsrt run: {spelled('device', 'sim')}).", stacklevel=2)
         elif config.enabled:
             if not arena.NATIVE:
                 say_once("native", f"lmsrt: the native allocator is not in use "
