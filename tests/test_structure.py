@@ -102,3 +102,22 @@ def test_the_import_graph_of_lmsrt_has_no_circle():
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_the_engine_asks_the_policy_questions_and_never_its_kind():
+    """The engine and the diagnostics ask a ``Policy`` questions; which kind it is, and its
+    numbers, are the policy's own (lmsrt/policy/)."""
+    asking = sorted((LMSRT / "engine").glob("*.py")) + [LMSRT / "diagnostics.py"]
+    for path in asking:
+        text = path.read_text()
+        for kind_test in ("policy.auto", "AutoPolicy", "FixedPolicy", "lms_frac ==", "keeps_small"):
+            assert kind_test not in text, f"{path.name} asks the policy's kind: {kind_test}"
+
+
+def test_both_policies_answer_every_question_of_the_protocol():
+    from lmsrt.policy import AutoPolicy, FixedPolicy, Policy
+    asked = [name for name in dir(Policy) if not name.startswith("_")]
+    asked += list(Policy.__annotations__)
+    for policy in (FixedPolicy(0.5, 1 << 30, 1 << 20), AutoPolicy(1 << 30, 1 << 20)):
+        missing = [name for name in asked if not hasattr(policy, name)]
+        assert not missing, f"{type(policy).__name__} does not answer {missing}"

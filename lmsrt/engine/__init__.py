@@ -2,17 +2,23 @@
 
 The engine is a package of rooms, one idea each, that ``SwapEngine`` (core.py) puts together:
 
+  core.py        SwapEngine: the rooms together, its state, and what goes wrong (annotate_oom)
+  entry.py       enter()/exit() for LMS: hooks pushed and popped, the rebuild recorder
   records.py     what the engine keeps per saved storage, and the handles autograd holds
-  copies.py      the copy streams (C++ or torch's bindings)
-  boundaries.py  step boundaries: each step's state made afresh, its figures read at its end
-  forward.py     pack: keep or offload each saved storage
+  copies.py      the copy calls (C++ or torch's bindings)
+  gauge.py       GPU use: read exactly, estimated between readings
+  boundaries.py  step boundaries: StepState made afresh at each step, its figures read at its end
+  forward.py     pack: keep or offload each saved storage, as the policy's levels say
   swap_out.py    copies to host memory, and sources held while they run
   deferred.py    copies started later, once their pins land
   recipes.py     storages rebuilt in backward instead of copied
   native.py      the hand-over to and from the C++ hooks
   backward.py    unpack: bring a storage back for backward
   prefetch.py    fetch ahead of backward, and give back what runs over
-  release.py     give back what dead storages held; close
+  release.py     give back what dead storages held; close; what is outstanding
+
+The numbers (how much may be held where, what may wait or be deferred, how far to fetch ahead)
+are the policy's (lmsrt/policy/): the engine asks, and never asks which kind of policy it has.
 
 NOTE [ Stream lifetimes ]
 Three streams touch a swapped storage: its own stream (the stream current when it was saved: the
