@@ -1,0 +1,183 @@
+"""A model compiled whole under LMS is compiled block by block, and CUDA graph capture runs with
+lmsrt's hooks aside (lmsrt/compiled.py). Compiling on the CPU is slow: tiny models, few tests."""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import shutil
+import sys
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import lmsrt.compiled
+import lmsrt.lms
+from lmsrt.compiled import repeated_blocks
+from models import DEVICES, assert_same, lmsrt_warnings, make_lms, torch_device, train_step, \
+    transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from workloads import GPT2LM, GPTBlock  # noqa: E402
+
+
+class _Nested(nn.Module):
+    """Repeated blocks that hold repeated blocks of their own: only the outer ones count."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.stages = nn.ModuleList([nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+                                                   nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+                                     for _ in range(3)])
+
+
+def test_repeated_blocks():
+    lm = GPT2LM(vocab=64, seq=8, d=16, layers=3, heads=2)
+    assert repeated_blocks(lm) == list(lm.blocks) and all(isinstance(b, GPTBlock)
+                                                          for b in repeated_blocks(lm))
+    nested = _Nested()
+    assert repeated_blocks(nested) == list(nested.stages)
+    # Repeated leaves are no blocks, and one block alone is no repetition.
+    assert repeated_blocks(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))) == []
+    assert repeated_blocks(transformer(d=16, layers=1, heads=2)) == []
+
+
+def _fresh_live_engines(monkeypatch):
+    # LMS objects that other tests left for the collector must not make this model regional early;
+    # and the regions made here must not silence other tests' warning about compiled regions.
+    gc.collect()
+    monkeypatch.setattr(lmsrt.lms, "_live_engines", weakref.WeakSet())
+    monkeypatch.setattr(lmsrt.compiled, "_regional_models", 0)
+
+
+def _check_regional(kind, backend, monkeypatch):
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    dev = torch_device(kind)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformer(d=32, layers=4, heads=2).to(dev)
+    x = torch.randn(2, 16, 32, device=dev)
+    # The same graphs without lmsrt: each block compiled by hand, as torch's regional compilation
+    # recipe does, under identity hooks (a region whose saves go through hooks may be compiled
+    # otherwise, engine.py's test of compile says why).
+    twin = copy.deepcopy(model)
+    for block in twin:
+        block.compile(backend=backend)
+    same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    try:
+        ref = train_step(twin, x, lms=same_hooks)
+    except Exception as e:              # no C++ compiler, or no Triton for this GPU
+        pytest.skip(f"torch.compile(backend={backend!r}) is not available here: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    compiled = torch.compile(model, backend=backend)       # before any LMS, as scripts do
+    whole = train_step(compiled, x, lms=same_hooks)
+    assert not compiled.forward.regional
+    lms = make_lms(kind)
+    with lmsrt_warnings() as said:
+        for _ in range(3):
+            assert_same(ref, train_step(compiled, x, lms=lms))
+    assert compiled.forward.regional
+    assert [m for m in said if "blocks one by one" in m] == [
+        "lmsrt: torch.compile(Sequential) under LMS compiles its 4 Block blocks one by one and "
+        "runs the rest eagerly, so that saved tensors can be swapped between blocks (a compiled "
+        "region hands them over only after its forward; said once)."] or not said, said
+    assert not [m for m in said if "between compiled regions" in m], said
+    step = lms.stats()["last_step"]
+    # Everything swaps at lms_frac 0: held on the "GPU" at once is about one block's saves, not
+    # the model's (a region per model held them all at its end).
+    assert step["out_bytes"] > 0
+    assert step["gpu_peak_bytes"] < step["out_bytes"] / 2, step
+    return whole, ref
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_model_compiled_whole_swaps_between_blocks(kind, monkeypatch):
+    # aot_eager on the simulated device: run-to-run exact, also against the whole-model graph.
+    whole, ref = _check_regional(kind, "aot_eager" if kind == "sim" else "inductor", monkeypatch)
+    if kind == "sim":
+        assert_same(ref, whole)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+def test_model_compiled_whole_swaps_between_blocks_inductor(monkeypatch):
+    import torch._inductor.config
+    with torch._inductor.config.patch(deterministic=True):
+        _check_regional("sim", "inductor", monkeypatch)
+
+
+def test_no_lms_compiles_whole(monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = GPT2LM(vocab=64, seq=8, d=16, layers=3, heads=2)
+    x = torch.randint(64, (2, 8))
+    model.compile(backend=counter)                   # nn.Module.compile, in place
+    train_step(model, x)
+    whole = counter.frame_count
+    assert whole == 1 and not model._compiled_call_impl.regional
+    lms = make_lms("sim", lms=0)                     # an LMS that does not swap changes nothing
+    train_step(model, x, lms=lms)
+    assert counter.frame_count == whole and not model._compiled_call_impl.regional
+    lms = make_lms("sim")
+    train_step(model, x, lms=lms)
+    assert model._compiled_call_impl.regional
+    assert counter.frame_count == whole + 1          # one graph shared by the three blocks
+    torch._dynamo.reset()
+
+
+def test_cuda_graph_modes_are_left_out_of_blocks():
+    from lmsrt.compiled import _block_arguments
+    said = []
+    say = lambda key, message: said.append(key)     # noqa: E731
+    assert _block_arguments(dict(mode="reduce-overhead", fullgraph=True), say) == dict(
+        mode="default", fullgraph=True)
+    assert _block_arguments(dict(mode="max-autotune"), say) == dict(
+        mode="max-autotune-no-cudagraphs")
+    assert _block_arguments(dict(options={"triton.cudagraphs": True}), say) == dict(
+        options={"triton.cudagraphs": False})
+    assert _block_arguments(dict(backend="aot_eager"), say) == dict(backend="aot_eager")
+    assert said == ["cudagraphs"] * 3
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_under_lms_steps_aside():
+    torch.manual_seed(0)
+    model = transformer(d=64, layers=2).cuda()
+    x = torch.randn(2, 16, 64, device="cuda")
+    ref = train_step(model, x)
+    lms = make_lms("cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                    # warm-up off the default stream, as torch asks
+        for _ in range(2):
+            train_step(model, x, lms=lms)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    model.zero_grad(set_to_none=True)
+    with lmsrt_warnings() as said:
+        with lms:
+            with torch.cuda.graph(graph):            # capture inside an active LMS
+                static_loss = model(static_x).float().square().mean()
+                static_loss.backward()
+        # and an LMS entered inside a capture
+        graph2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph2):
+            with lms:
+                model(static_x).float().square().mean()
+    assert any("CUDA graph" in m for m in said), said
+    model.zero_grad(set_to_none=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_loss, ref[0])
+    for g, p in zip(ref[1], model.parameters()):
+        assert torch.equal(g, p.grad)
+    # and swapping still works after
+    assert_same(ref, train_step(model, x, lms=lms))
