@@ -87,27 +87,47 @@ def _check_regional(kind, backend, monkeypatch):
         "region hands them over only after its forward; said once)."] or not said, said
     assert not [m for m in said if "between compiled regions" in m], said
     step = lms.stats()["last_step"]
-    # Everything swaps at lms_frac 0: held on the "GPU" at once is about one block's saves, not
-    # the model's (a region per model held them all at its end).
     assert step["out_bytes"] > 0
-    assert step["gpu_peak_bytes"] < step["out_bytes"] / 2, step
+    if kind == "sim":
+        # Everything swaps at lms_frac 0: held on the "GPU" at once is about one block's saves,
+        # not the model's (a region per model held them all at its end). (A real GPU's peak
+        # also counts the parameters, which at this size outweigh the saves.)
+        assert step["gpu_peak_bytes"] < step["out_bytes"] / 2, step
     return whole, ref
 
 
-@pytest.mark.parametrize("kind", DEVICES)
-def test_model_compiled_whole_swaps_between_blocks(kind, monkeypatch):
-    # aot_eager on the simulated device: run-to-run exact, also against the whole-model graph.
-    whole, ref = _check_regional(kind, "aot_eager" if kind == "sim" else "inductor", monkeypatch)
-    if kind == "sim":
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
+@pytest.mark.parametrize("kind, backend", [
+    pytest.param("sim", "aot_eager", id="sim-aot_eager"),
+    pytest.param("sim", "inductor", id="sim-inductor", marks=pytest.mark.skipif(
+        shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")),
+    pytest.param("cuda", "inductor", id="cuda-inductor", marks=pytest.mark.cuda)])
+def test_model_compiled_whole_swaps_between_blocks(kind, backend, monkeypatch):
+    import torch._inductor.config
+    # Inductor's deterministic mode: reduction configs by rule, not by timing (test_reliability's
+    # test of compile says why).
+    with torch._inductor.config.patch(deterministic=True):
+        whole, ref = _check_regional(kind, backend, monkeypatch)
+    if backend == "aot_eager":
+        # Run-to-run exact, also against the whole-model graph.
         assert_same(ref, whole)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
-def test_model_compiled_whole_swaps_between_blocks_inductor(monkeypatch):
-    import torch._inductor.config
-    with torch._inductor.config.patch(deterministic=True):
-        _check_regional("sim", "inductor", monkeypatch)
+@pytest.mark.cuda
+def test_reduce_overhead_model_under_lms(monkeypatch):
+    # CUDA graphs are left out of the blocks (NOTE [ Regions under LMS ], Rule 3).
+    _fresh_live_engines(monkeypatch)
+    torch.manual_seed(0)
+    model = transformer(d=64, layers=3).cuda()
+    x = torch.randn(2, 16, 64, device="cuda")
+    compiled = torch.compile(model, mode="reduce-overhead")
+    lms = make_lms("cuda")
+    with lmsrt_warnings() as said:
+        for _ in range(3):
+            train_step(compiled, x, lms=lms)
+    assert compiled.forward.regional
+    assert lms.stats()["total"]["out_tensors"] > 0
+    assert any("CUDA graphs" in m for m in said) or "cudagraphs" in lmsrt.lms._said, said
 
 
 def test_no_lms_compiles_whole(monkeypatch):
