@@ -83,6 +83,39 @@ def _step_aside_where_hooks_are_disabled() -> None:
 _step_aside_where_hooks_are_disabled()
 
 
+_torch_backward = None            # torch.autograd.backward and grad, unwrapped
+
+
+def _annotate_backward_ooms() -> None:
+    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
+    ``torch.autograd.grad`` (once per process, when lmsrt is imported) so that an out-of-memory
+    error raised in backward while an LMS holds saved tensors carries lmsrt's context, as one
+    raised in forward does: autograd's own allocations (a gradient, a kernel's workspace) fail
+    there, not in lmsrt's code. The same exception goes on; nothing else changes."""
+    global _torch_backward
+    if _torch_backward is not None:
+        return
+    _torch_backward = (torch.autograd.backward, torch.autograd.grad)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                for engine in list(_live_engines):
+                    if not engine.closed and engine.step.step:
+                        engine.annotate_oom(exc, "in backward")
+                        break
+                raise
+        return call
+
+    torch.autograd.backward, torch.autograd.grad = map(wrap, _torch_backward)
+
+
+_annotate_backward_ooms()
+
+
 _said: set = set()
 
 
