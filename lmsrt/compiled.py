@@ -85,7 +85,8 @@ def repeated_blocks(model: nn.Module) -> List[nn.Module]:
         counts: dict = {}
         for child in children:
             counts[type(child)] = counts.get(type(child), 0) + 1
-        found = [c for c in children if counts[type(c)] >= 2 and next(c.children(), None) is not None]
+        found = [c for c in children
+                 if counts[type(c)] >= 2 and next(c.children(), None) is not None]
         blocks += found
         inside.update(id(m) for c in found for m in c.modules())
     return blocks
@@ -171,7 +172,7 @@ def install(live: Callable[[], bool], say: Callable[[str, str], None]) -> None:
         return
     _step_aside_in_capture()
     if not hasattr(torch, "compile") or not hasattr(nn.Module, "compile"):
-        _torch_compile = True       # this torch has no torch.compile to wrap: nothing compiles
+        _torch_compile = True       # a torch without torch.compile: nothing to wrap, ever
         return
     _torch_compile, _module_compile = torch.compile, nn.Module.compile
 
