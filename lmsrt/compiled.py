@@ -50,6 +50,8 @@ __all__ = ["capturing", "hooks_aside", "install", "made_regions", "repeated_bloc
 #      the graph's, and lmsrt may not move it. Said once when it happens.
 #   4. Identical blocks share one compiled graph (dynamo treats their parameters as inputs), so
 #      compiling 24 layers costs about one layer's compile.
+#      Where dynamo does not (torch < 2.5, inline_inbuilt_nn_modules off) it would compile every
+#      block apart and give up after its recompile limit: the model stays whole, said once.
 #   5. A block is compiled as ``block.compile()`` would (its ``_compiled_call_impl``, so the
 #      model's tree and state_dict keys stay as they are), but through ``_run_block``, one
 #      function taking the block as an argument: dynamo does not compile a frame of torch.nn's own
@@ -145,6 +147,13 @@ class _Regional:
 
     def _compile_blocks(self) -> bool:
         blocks = repeated_blocks(self.model)
+        if blocks and not getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False):
+            self.say("one-by-one", f"lmsrt: this torch ({torch.__version__}) would compile "
+                     "every block of a model apart (torch._dynamo.config.inline_inbuilt_nn_modules "
+                     "is off) and stop compiling after a few, so under LMS a model compiled whole "
+                     "stays one region, and swapping cannot lower its peak. Set that option to "
+                     "True before the first step, or use torch 2.5 or later (said once).")
+            blocks = []
         if not blocks:
             self.live = lambda: False       # nothing to split: compiled whole, asked no more
             return False
