@@ -190,10 +190,11 @@ class _Pin:
     """One pin asked of the pinning threads: its size and the bytes of requests waiting for it
     (``claimed``); once ``finished``, the slab tensor or the error, and the seconds it took."""
 
-    __slots__ = ("size", "claimed", "finished", "tensor", "error", "seconds")
+    __slots__ = ("size", "claimed", "finished", "tensor", "error", "seconds", "ahead")
 
     def __init__(self, size: int):
         self.size, self.claimed, self.finished = size, 0, False
+        self.ahead = False        # started by pin_slabs
         self.tensor: Optional[torch.Tensor] = None
         self.error: Optional[BaseException] = None
         self.seconds = 0.0
@@ -337,7 +338,9 @@ class HostPool:
         self.closed = False
         self._pinner = _Pinner(device, getattr(device, "pin_threads", 0))
         self._stop = weakref.finalize(self, self._pinner.stop)
-        self._pending: List[_Pin] = []    # pins asked and not yet adopted, oldest first
+        self._pending: Deque[_Pin] = collections.deque()  # asked, not yet adopted, oldest first
+        self._pending_bytes = 0   # their sizes: the budget reads it per pin
+        self.pinned_ahead = 0     # bytes pin_slabs started, less those whose pin failed
         self._step = 0
         self._reserved = 0        # the last reserve's bytes: give-back keeps them pinned
         self._largest = self._largest_before = 0   # largest request of this step, of the last
@@ -360,7 +363,7 @@ class HostPool:
         the share: a burst of pins cannot overrun the host."""
         if self.fixed_budget is not None:
             return self.fixed_budget
-        return host_budget(self.pinned_bytes) - sum(p.size for p in self._pending)
+        return host_budget(self.pinned_bytes) - self._pending_bytes
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -509,11 +512,16 @@ class HostPool:
     def pin_slabs(self, sizes: List[int]) -> None:
         """Start pinning slabs of these sizes (within the budget), in the background, e.g. the
         layout a run of the same command used (cache.py, NOTE [ Pinning ahead ]); returns at
-        once. Kept from give-back like a ``reserve`` of their bytes."""
+        once, in time linear in ``len(sizes)``. Kept from give-back like a ``reserve`` of their
+        bytes; ``pinned_ahead`` counts those started and not failed."""
+        budget = self.budget()     # read once: a pin started adds its size to pinned and pending
         for size in sizes:
-            if self._grow(size, size) is None:
+            pin = self._grow(size, size, budget)
+            if pin is None:
                 break
-        self._reserved = sum(sizes)
+            pin.ahead = True
+            self.pinned_ahead += pin.size
+        self._reserved = self.pinned_ahead
 
     def reserve(self, nbytes: int) -> None:
         """Pin ahead of need (e.g. what the plan will move), in the background: start the pins
@@ -551,15 +559,16 @@ class HostPool:
     def _chunk_of(self, shift: int) -> int:
         return min(max(self.pinned_bytes >> shift, self.chunk_min), self.chunk_max)
 
-    def _grow(self, nbytes: int, size: int) -> Optional[_Pin]:
+    def _grow(self, nbytes: int, size: int, budget: Optional[int] = None) -> Optional[_Pin]:
         """Start pinning ``size`` bytes (less if the budget or a failed pin says so, never less
-        than ``nbytes``); None if that cannot be."""
+        than ``nbytes``); None if that cannot be. ``budget``: ``budget()`` as the caller read
+        it."""
         if self.closed:
             return None
         size = -(-size // _PAGE) * _PAGE
         if self._pin_cap is not None:
             size = max(min(size, self._pin_cap), -(-nbytes // _PAGE) * _PAGE)
-        room = self.budget() - self.pinned_bytes
+        room = (self.budget() if budget is None else budget) - self.pinned_bytes
         if size > room:
             size = room // _PAGE * _PAGE
         if size < nbytes or size <= 0:
@@ -574,6 +583,7 @@ class HostPool:
         self.pinned_bytes += size
         self.most_pinned = max(self.most_pinned, self.pinned_bytes)
         self._pending.append(pin)
+        self._pending_bytes += size
         self._pinner.pin(pin)
         return pin
 
@@ -582,7 +592,8 @@ class HostPool:
         done = self._pinner.done
         while done:
             pin = done.popleft()
-            self._pending.remove(pin)
+            self._pending.remove(pin)        # the oldest, mostly: a deque finds it at once
+            self._pending_bytes -= pin.size
             self.pin_seconds += pin.seconds
             if not self._pinner.max_threads:
                 self.pin_wait_seconds += pin.seconds
@@ -591,6 +602,7 @@ class HostPool:
                 pin.tensor = None
             else:
                 self.pinned_bytes -= pin.size
+                self.pinned_ahead -= pin.size if pin.ahead else 0
                 self._refused_from, self._pin_cap = 0, max(pin.size // 2, _PAGE)
                 self._warn_once(f"lmsrt: pinning {format_bytes(pin.size)} of host memory "
                                 f"failed ({pin.error}); saved tensors that do not fit in what is "
@@ -614,5 +626,6 @@ class HostPool:
         self.closed = True
         self._stop()
         self._pending.clear()
+        self._pending_bytes = 0
         self.slabs.clear()
         self.pinned_bytes = self.used_bytes = 0

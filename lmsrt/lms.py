@@ -16,7 +16,7 @@ from .compiled import hooks_aside
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
-from .options import OPTIONS, describe
+from .options import OPTIONS, describe, spelled
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
@@ -40,8 +40,8 @@ def _say_no_gpu_once() -> None:
     global _said_no_gpu
     if not _said_no_gpu:
         warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
-                      "machine, or pass device='sim' to test on the CPU.", RuntimeWarning,
-                      stacklevel=3)
+                      "machine, or simulate one on the CPU: device='sim' (under lmsrt run: "
+                      f"{spelled('device', 'sim')}).", RuntimeWarning, stacklevel=3)
     _said_no_gpu = True
 
 
@@ -317,9 +317,9 @@ class LMS:
             "copy_path": self.copy_path,
             "mark_bytes": self._engine.mark if self._engine else 0,
             "limit_bytes": self._engine.limit if self._engine else 0,
-            # What the last run of this command used, pinned as this LMS was created (cache.py).
-            "pinned_ahead_bytes": sum(self._engine.memo.recalled)
-            if self._engine and self._engine.memo else 0,
+            # What the last run of this command used, pinned as this LMS was created (cache.py):
+            # the pins started, less any that failed, not what the record asked for.
+            "pinned_ahead_bytes": self._engine.host.pinned_ahead if self._engine else 0,
             "last_step": step.as_dict(),
             "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
             | {"steps": 0},
