@@ -5,7 +5,7 @@ Optional. Without it the engine makes the same calls through torch's Python bind
 costs ~1.4x the CPU per swapped tensor (benchmarks/pack_overhead.py measures both). It is a
 torch extension, so it must be compiled for the installed torch, and it is, on first use on a
 CUDA GPU: the first ``LMS`` (or ``lmsrt info``) on a machine compiles it (a C++ compiler and
-ninja, about a minute, once per torch version) and says so in one line; see NOTE [ Building on
+ninja, 14-18 s, once per torch version) and says so in one line; see NOTE [ Building on
 first use ]. ``lmsrt build`` does the same ahead of time::
 
     lmsrt build          # then `lmsrt info` says "copy path: native"
@@ -38,7 +38,7 @@ __all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir",
 
 _ENV_OFF = "LMSRT_COPY_PATH"
 _FAILED = "build-failed.txt"    # in build_dir(): why the last build failed; stops automatic retries
-_LOCK_TIMEOUT_S = 900           # a build takes about a minute; a lock held this long is stuck
+_LOCK_TIMEOUT_S = 900           # a build takes 14-18 s; a lock held this long is stuck
 _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 
 # NOTE [ Building on first use ]
@@ -46,7 +46,7 @@ _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 # isolated environment without the user's torch, and pulling torch into it would download an
 # unpinned, multi-GB wheel. So the first load() on a CUDA GPU compiles it instead:
 #   1. Only with a CUDA GPU, the one place the engine uses it. On a CPU-only machine load()
-#      never compiles (a test run would spend a minute on it for nothing); ``lmsrt build`` still
+#      never compiles (a test run would spend 15 s on it for nothing); ``lmsrt build`` still
 #      can, and tests/test_copy_path.py does, against CPU torch.
 #   2. One builder per machine. torchrun starts a process per GPU and each creates an LMS: the
 #      first takes a file lock in build_dir() and compiles, the others wait on the lock, then find
@@ -55,7 +55,7 @@ _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 #      every later build wait forever, so a holder of ours removes it.
 #   3. Never fails a run. No compiler or no ninja: say so once, use the Python path. A failed
 #      compile: say so once and write build-failed.txt, so that later processes (every trial of
-#      ``lmsrt tune``, every rank) do not spend a minute failing again; ``lmsrt build`` retries.
+#      ``lmsrt tune``, every rank) do not spend 15 s failing again; ``lmsrt build`` retries.
 #   4. The folder's name carries the torch version, the Python and a digest of the source, so a
 #      new torch or an edited csrc/copy_path.cpp builds afresh rather than loading a stale module.
 #      The module's name is the folder's, so one process may build it in two folders (another
