@@ -10,9 +10,11 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["pop_own_hooks"]
+__all__ = ["pop_own_hooks", "hooks_aside"]
 
 
 def pop_own_hooks(engine=None):
@@ -26,3 +28,17 @@ def pop_own_hooks(engine=None):
         torch._C._autograd._pop_saved_tensors_default_hooks()
         return top
     return None
+
+
+@contextlib.contextmanager
+def hooks_aside():
+    """Take lmsrt's saved-tensor hooks off this thread's stack for the block, and put them back
+    after it; yields the pairs taken (none when lmsrt's are not on top)."""
+    aside = []
+    try:
+        while (pair := pop_own_hooks()) is not None:
+            aside.append(pair)
+        yield aside
+    finally:
+        for pack, unpack in reversed(aside):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)

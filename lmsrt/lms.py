@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
 from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from . import arena, torch_patches
+from . import arena, compiled, torch_patches
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
@@ -21,6 +22,16 @@ __all__ = ["LMS"]
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
 # Out-of-memory errors in backward carry lmsrt's context (torch_patches, NOTE, 4).
 torch_patches.annotate_backward_ooms(_live_engines)
+
+
+def _any_live() -> bool:
+    """True while an LMS that swaps is open in this process."""
+    return any(not engine.closed for engine in list(_live_engines))
+
+
+# Also at import: a model compiled whole is compiled block by block while an LMS is live
+# (compiled.py; torch_patches, NOTE, 6).
+compiled.install(_any_live, functools.partial(say_once, stacklevel=3))
 
 
 @atexit.register
@@ -164,6 +175,14 @@ class LMS:
         engine = self._engine
         if engine.closed:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
+        if compiled.capturing():
+            # Copies and event waits would invalidate the capture (compiled.py).
+            say_once("capture", "lmsrt: LMS entered while a CUDA graph is being captured steps "
+                     "aside: tensors saved in the captured region stay on the GPU, in the "
+                     "graph's pool (said once). Enter LMS outside the capture to swap.",
+                     stacklevel=3)
+            self._active.hooks = False
+            return self
         self._active.recorder = engine.enter()
         self._active.hooks = True
         return self

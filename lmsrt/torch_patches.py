@@ -1,7 +1,7 @@
 """Every change lmsrt makes to torch, in one place.
 
 NOTE [ What lmsrt changes in torch ]
-lmsrt changes four things of torch's, each once per process, and nothing else:
+lmsrt changes six things of torch's, each once per process, and nothing else:
 
   1. ``torch.autograd.graph.disable_saved_tensors_hooks`` is wrapped when lmsrt is imported
      (``step_aside_where_hooks_are_disabled``): inside it lmsrt's hooks leave the thread's
@@ -17,6 +17,12 @@ lmsrt changes four things of torch's, each once per process, and nothing else:
      are wrapped when lmsrt is imported (``annotate_backward_ooms``): an out-of-memory error
      raised in backward while an LMS holds saved tensors carries lmsrt's context, as one raised
      in forward does. The same exception goes on.
+  5. ``torch.cuda.graph``'s ``__enter__``/``__exit__`` are wrapped when lmsrt is imported
+     (``step_aside_in_capture``): lmsrt's hooks leave the stack while a CUDA graph is captured
+     (also for ``make_graphed_callables`` and inductor's CUDA graphs).
+  6. ``torch.compile`` and ``nn.Module.compile`` are wrapped when lmsrt is imported, so that a
+     model compiled whole is compiled block by block while an LMS is live. The wrap is the
+     region mechanism itself, so it is made in compiled.py (``install``, which lms.py calls).
 
 Example::
 
@@ -28,14 +34,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Optional
 
 import torch
 
-from .hook_stack import pop_own_hooks
+from .hook_stack import hooks_aside
 from .say import say_once
 
 __all__ = ["step_aside_where_hooks_are_disabled", "keep_peaks_across_resets", "cleared_peaks",
-           "reset_peak", "prefer_expandable_segments", "annotate_backward_ooms"]
+           "reset_peak", "prefer_expandable_segments", "annotate_backward_ooms",
+           "step_aside_in_capture"]
 
 
 _torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
@@ -58,10 +66,7 @@ def step_aside_where_hooks_are_disabled() -> None:
     @functools.wraps(original)
     @contextlib.contextmanager
     def disable_saved_tensors_hooks(error_message: str):
-        aside = []
-        try:
-            while (pair := pop_own_hooks()) is not None:
-                aside.append(pair)
+        with hooks_aside() as aside:
             if aside:
                 say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
                          "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
@@ -70,9 +75,6 @@ def step_aside_where_hooks_are_disabled() -> None:
                          "(said once).", stacklevel=3)
             with original(error_message):
                 yield
-        finally:
-            for pack, unpack in reversed(aside):
-                torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
     torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
 
@@ -170,6 +172,40 @@ def annotate_backward_ooms(engines) -> None:
     torch.autograd.backward, torch.autograd.grad = map(wrap, _torch_backward)
 
 
+def step_aside_in_capture() -> None:
+    """lmsrt's hooks leave the stack while ``torch.cuda.graph`` captures (also when it captures
+    for ``make_graphed_callables`` or inductor's CUDA graphs)."""
+    graph = getattr(getattr(torch.cuda, "graphs", None), "graph", None)
+    if graph is None:
+        return
+    enter, leave = graph.__enter__, graph.__exit__
+
+    @functools.wraps(enter)
+    def __enter__(self):
+        aside = hooks_aside()
+        self._lmsrt_aside = aside
+        aside.__enter__()
+        try:
+            return enter(self)
+        except BaseException:
+            self._lmsrt_aside = None
+            aside.__exit__(None, None, None)
+            raise
+
+    @functools.wraps(leave)
+    def __exit__(self, *exc):
+        try:
+            return leave(self, *exc)
+        finally:
+            aside: Optional[contextlib.AbstractContextManager] = getattr(self, "_lmsrt_aside", None)
+            if aside is not None:
+                self._lmsrt_aside = None
+                aside.__exit__(None, None, None)
+
+    graph.__enter__, graph.__exit__ = __enter__, __exit__
+
+
 # At import, before torch.compile is used: dynamo recognises the context manager by identity,
 # from a table it builds when it is first imported.
 step_aside_where_hooks_are_disabled()
+step_aside_in_capture()
