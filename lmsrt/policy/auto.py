@@ -59,12 +59,12 @@ A model that fits under the bound keeps everything: nothing moves.
 """
 from __future__ import annotations
 
-import itertools
 from typing import List, Optional
 
 from ..options import spelled
 from ..plan import OffloadPlan
 from ..units import GiB, format_bytes
+from .planner import choose_offloads, levels
 from .profile import Profile
 from .protocol import LimitShares
 
@@ -216,69 +216,15 @@ class AutoPolicy(LimitShares):
             return                       # the same plan, give or take a few MiB of use
         self._planned_for = budget
         self._planned_rebuildable = rebuildable = plan.rebuildable
-        n, p = len(prof.sizes), len(prof.bwd_own)
         live = plan.live | prof.live
-        # Keep storages from the last saved down (backward needs them first), each one whose
-        # bytes fit under the budget at every point from its save to its last use; offload the
-        # rest. (Keeping a plain suffix would have to keep the last storages first, which are
-        # often the largest and alive at the peak: an LM's fp32 log-softmax output.) Storages
-        # the engine can rebuild cost no copy to offload: they are kept only with the room that
-        # the others leave.
-        peaks = prof.fwd_peak + prof.bwd_peak        # points through forward, then backward
-        # A storage restored for backward waits between its first unpack and its last, kept or
-        # not (Profile.between): use the learning step counted as lmsrt's.
-        between = [None if k in live else prof.between(k) for k in range(n)]
-        waits = [0] * (n + p + 1)
-        for k, span in enumerate(between):
-            if span is not None:
-                waits[span[0]] += prof.sizes[k]
-                waits[span[1] + 1] -= prof.sizes[k]
-        waits = list(itertools.accumulate(waits))[:n + p]
-        peaks = [v + w for v, w in zip(peaks, waits)]
-        offload = [False] * n
-        down = range(n - 1, -1, -1)
-        for k in [k for k in down if k not in rebuildable] + [k for k in down if k in rebuildable]:
-            size = prof.sizes[k]
-            if k in live or not size:
-                continue
-            spans = _without(prof.kept_spans(k), between[k])
-            if all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans):
-                for a, b in spans:
-                    peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
-            else:
-                offload[k] = True
-        fwd, bwd = peaks[:n], peaks[n:]
+        offload, peaks, between = choose_offloads(prof, live, rebuildable, budget)
+        n = len(prof.sizes)
         plan.set_offloaded(offload)
-        peak = max(fwd + bwd, default=0)
+        peak = max(peaks, default=0)
         self.predicted_peak = base + peak
         self._slack = slack = max(0, budget - peak)
-        fwd_own, bwd_own = prof.fwd_own, prof.bwd_own
-        # What the kept storages add to each point's reading of use, and the restored ones
-        # waiting between two unpacks (a difference array).
-        kept = [0] * (n + p + 1)
-        for k, size in enumerate(prof.sizes):
-            if k in live or not size:
-                continue
-            spans = [] if offload[k] else _without(prof.kept_spans(k, readings=True), between[k])
-            if between[k] is not None:
-                spans.append(between[k])
-            for a, b in spans:
-                kept[a] += size
-                kept[b + 1] -= size
-        kept = list(itertools.accumulate(kept))
-        kept_fwd, kept_bwd = kept[:n], kept[n:n + p]
-        self._swap = [fwd_own[i] + kept_fwd[i] + slack for i in range(n)]
-        nxt = prof.fwd_peak[1:] + prof.bwd_peak[:1]
-        self._hold = [budget - max(0, nxt[i] - fwd_own[i]) if i < len(nxt) else budget
-                      for i in range(n)]
-        # Highest predicted use in backward after point j, against predicted use at j.
-        fetch: List[int] = [0] * p
-        later = None
-        for j in range(p - 1, -1, -1):
-            now = bwd_own[j] + kept_bwd[j]
-            fetch[j] = budget - max(0, later - now) if later is not None else budget
-            later = bwd[j] if later is None else max(later, bwd[j])
-        self._fetch = fetch
+        self._swap, self._hold, self._fetch = levels(prof, live, offload, between, peaks, budget,
+                                                     slack)
         self._reactive = base + budget - prof.growth()
         count = sum(offload)
         moved = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
@@ -474,17 +420,3 @@ class AutoPolicy(LimitShares):
         return (f"  To fit: {lower_lms}; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                 "against fragmentation; or give a fixed lms_frac "
                 f"({spelled('lms_frac', 0.5)}, say) to swap from a mark you choose.")
-
-
-def _without(spans: list, gap: Optional[tuple]) -> list:
-    """``spans`` (inclusive (first, last) point pairs) less the points of ``gap``."""
-    if gap is None:
-        return list(spans)
-    lo, hi = gap
-    out = []
-    for a, b in spans:
-        if a < lo:
-            out.append((a, min(b, lo - 1)))
-        if b > hi:
-            out.append((max(a, hi + 1), b))
-    return out
