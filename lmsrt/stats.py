@@ -130,6 +130,11 @@ def format_summary(stats: Dict[str, object]) -> str:
         lines.append(f"auto: use kept under {last['bound_bytes'] / GiB:.2f} GiB (headroom "
                      f"{last['headroom_bytes'] / GiB:.2f} GiB), predicted peak "
                      f"{last['predicted_peak_bytes'] / GiB:.2f} GiB; {last['policy_note']}")
+    regions = stats.get("regions")
+    if regions:
+        lines.append(f"regions: {regions['recomputed']} of {regions['regions']} recomputed last "
+                     f"step ({_gib(regions['dropped_bytes'])} dropped in forward, "
+                     f"{regions['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
     lines.append(f"{'':22}{'last step':>14}{'total':>14}")
     rows = [
         ("steps", None, t["steps"]),
