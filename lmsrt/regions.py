@@ -52,6 +52,7 @@ __all__ = ["Regions", "choose_regions"]
 
 SIM_BANDWIDTH = 25e9     # bytes/s each way on the simulated device (the CPU copies in place)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
+_WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
 
 
 def choose_regions(regions: Sequence[Tuple[int, float]], excess: int, t_fwd: float,
@@ -439,15 +440,23 @@ class Regions:
         self._group()
         step1 = self.engine.current_step()
         # What the step would hold with every saved tensor kept: its peak, which swapped them
-        # all, plus what it saved (NOTE [ Region plan ]).
-        self._need = (step1.gpu_peak_bytes + step1.out_bytes + step1.kept_bytes
-                      + step1.live_bytes + step1.recipe_bytes)
-        if not self._of:
-            self.phase, self.note = "planned", "no repeated blocks: nothing to recompute"
+        # all, plus what it saved; the excess over the bound must leave (NOTE [ Region plan ]).
+        self._excess = max(0, step1.gpu_peak_bytes + step1.out_bytes + step1.kept_bytes
+                           + step1.live_bytes + step1.recipe_bytes - self.engine.mark)
+        limit = self.engine.limit
+        if not self._of or self._excess < limit >> _WORTH_SHIFT:
+            self._done(f"{len({r for r, _ in self._of.values()})} regions, none recomputed: "
+                       f"{format_bytes(self._excess)} over the bound, less than 1/"
+                       f"{1 << _WORTH_SHIFT} of the limit, is left to the swaps")
             return
         self.phase = "timing"
         self.note = "step 2 recomputes every region to time its forward"
         self.engine.relearn()
+
+    def _done(self, note: str) -> None:
+        """The plan recomputes nothing: the hooks go, and nothing costs a module call."""
+        self.phase, self.note = "planned", note
+        self.close()
 
     def _plan(self) -> None:
         """NOTE [ Region plan ]."""
@@ -467,20 +476,23 @@ class Regions:
         else:
             t_fwd = forward[0][0].elapsed_time(forward[-1][1]) / 1e3 if forward else 0.0
         bandwidth = self.bandwidth or _bandwidth(self.engine.device)
-        excess = max(0, self._need - self.engine.mark)
+        excess = self._excess
         usable = [r for r in order if r.usable]
         chosen = choose_regions([(r.nbytes, r.seconds) for r in usable], excess, t_fwd,
                                 2 * t_fwd, bandwidth)
         for i in chosen:
             usable[i].chosen = True
-        self.phase = "planned"
-        self.note = (f"recompute {len(chosen)} of {len(order)} regions (frees "
-                     f"{format_bytes(sum(usable[i].nbytes for i in chosen))}, forward "
-                     f"{sum(usable[i].seconds for i in chosen) * 1e3:.1f} ms); "
-                     f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, "
-                     f"link {bandwidth / 1e9:.0f} GB/s")
-        if len(chosen) != len(order):
-            self.engine.relearn()
+        if len(chosen) != len(usable):
+            self.engine.relearn()        # the timing step recomputed them all
+        note = (f"recompute {len(chosen)} of {len(order)} regions (frees "
+                f"{format_bytes(sum(usable[i].nbytes for i in chosen))}, forward "
+                f"{sum(usable[i].seconds for i in chosen) * 1e3:.1f} ms); "
+                f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, "
+                f"link {bandwidth / 1e9:.0f} GB/s")
+        if chosen:
+            self.phase, self.note = "planned", note
+        else:
+            self._done(note)
 
     def stats(self) -> dict:
         """The step in flight's regions, for ``LMS.stats()["regions"]``: region calls recomputed
