@@ -50,7 +50,8 @@ from .units import format_bytes
 
 __all__ = ["Regions", "choose_regions"]
 
-SIM_BANDWIDTH = 25e9     # bytes/s each way on the simulated device (the CPU copies in place)
+SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
+                               # sets ``Regions.bandwidth`` to make them cost)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
 
@@ -239,6 +240,7 @@ class Regions:
         self.bandwidth: Optional[float] = SIM_BANDWIDTH if self.simulated else None
         self.step = 0
         self.phase = "survey"           # survey (step 1), timing (step 2), planned
+        self.idle = False               # planned to recompute nothing: the hooks return at once
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
         self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> (R, start)
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()
@@ -254,14 +256,16 @@ class Regions:
         me = weakref.ref(self)
         handles = []
 
+        # Under torch.compile (which traces module hooks) nothing is done: saved-tensor hooks
+        # see a compiled graph's tensors all at once, after it (DESIGN.md, "Compiled graphs").
         def pre(module, args):
-            regions = me()
-            return None if regions is None else regions._pre(module, args)
+            regions = None if torch.compiler.is_compiling() else me()
+            return None if regions is None or regions.idle else regions._pre(module, args)
 
         def post(module, args, *rest):
             # (kwargs, output) after a forward; (output,) where it raised (always_call).
-            regions = me()
-            return None if regions is None else regions._post(module, *rest)
+            regions = None if torch.compiler.is_compiling() else me()
+            return None if regions is None or regions.idle else regions._post(module, *rest)
 
         handles.append(nn.modules.module.register_module_forward_pre_hook(pre))
         handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
@@ -443,20 +447,20 @@ class Regions:
         # all, plus what it saved; the excess over the bound must leave (NOTE [ Region plan ]).
         self._excess = max(0, step1.gpu_peak_bytes + step1.out_bytes + step1.kept_bytes
                            + step1.live_bytes + step1.recipe_bytes - self.engine.mark)
-        limit = self.engine.limit
-        if not self._of or self._excess < limit >> _WORTH_SHIFT:
-            self._done(f"{len({r for r, _ in self._of.values()})} regions, none recomputed: "
-                       f"{format_bytes(self._excess)} over the bound, less than 1/"
-                       f"{1 << _WORTH_SHIFT} of the limit, is left to the swaps")
+        limit, found = self.engine.limit, len({r for r, _ in self._of.values()})
+        free_link = self.bandwidth == SIM_BANDWIDTH
+        if not self._of or self._excess < limit >> _WORTH_SHIFT or free_link:
+            self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
+                       f"bound is left to the swaps")
             return
         self.phase = "timing"
         self.note = "step 2 recomputes every region to time its forward"
         self.engine.relearn()
 
     def _done(self, note: str) -> None:
-        """The plan recomputes nothing: the hooks go, and nothing costs a module call."""
-        self.phase, self.note = "planned", note
-        self.close()
+        """The plan recomputes nothing: the hooks return at once. (They stay: removing a global
+        hook makes torch.compile compile its graphs again.)"""
+        self.phase, self.note, self.idle = "planned", note, True
 
     def _plan(self) -> None:
         """NOTE [ Region plan ]."""

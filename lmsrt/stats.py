@@ -131,7 +131,7 @@ def format_summary(stats: Dict[str, object]) -> str:
                      f"{last['headroom_bytes'] / GiB:.2f} GiB), predicted peak "
                      f"{last['predicted_peak_bytes'] / GiB:.2f} GiB; {last['policy_note']}")
     regions = stats.get("regions")
-    if regions:
+    if regions and (regions["planned"] or regions["phase"] == "timing"):
         lines.append(f"regions: {regions['recomputed']} of {regions['regions']} recomputed last "
                      f"step ({_gib(regions['dropped_bytes'])} dropped in forward, "
                      f"{regions['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
