@@ -225,3 +225,17 @@ def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
     # A region slower to run than its bytes to move is never recomputed.
     slow = blocks[:15] + [(1 << 20, 0.01)]
     assert 15 not in choose_regions(slow, 14 << 30, 0.06, 0.12, 55e9)
+
+
+def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
+    import lmsrt.regions
+    # The plan's choice (the last two regions of four) taken as given: swaps and recomputes mix.
+    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, *a: [2, 3])
+    x = torch.randn(4, 16, 32)
+    lms = _check_exact("sim", lambda: Stack(32, 4), x, steps=5)
+    stats = lms.stats()["regions"]
+    assert stats["planned"] == 2 and stats["recomputed"] == 2
+    assert [r.name for r in lms._regions.order if r.chosen] == ["blocks[2]", "blocks[3]"]
+    assert "regions: 2 of 4 recomputed" in lms.summary()
+    # Step 3 learnt afresh what the plan now saves, and step 5 follows its plan.
+    assert lms.stats()["last_step"]["mode"] == "plan"
