@@ -236,6 +236,7 @@ class Regions:
     def __init__(self, engine, hooks):
         self.engine = engine
         self.hooks = (hooks.pack, hooks.unpack)
+        self._owner = hooks             # the engine, or its C++ hooks
         self.simulated = engine.device.kind == "sim"
         self.bandwidth: Optional[float] = SIM_BANDWIDTH if self.simulated else None
         self.step = 0
@@ -326,7 +327,7 @@ class Regions:
 
     def _innermost_is_lms(self) -> bool:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return top is not None and top[0] == self.hooks[0]
+        return top is not None and getattr(top[0], "__self__", None) is self._owner
 
     def _pre(self, module: nn.Module, args: tuple):
         if (getattr(self._local, "frame", None) is not None or not torch.is_grad_enabled()
