@@ -31,6 +31,19 @@ NOTE [ Recomputed regions ]
   Rule 5 (versions). Autograd skips its in-place check while hooks are set, so each handle keeps
     its tensor's version counter (``engine._counter_only``) and unpack raises autograd's error
     when it moved; the engine checks the inputs it holds.
+
+NOTE [ Region plan ]
+  1. Step 1 surveys: regions are found, a mixed Sequential's output sizes read, nothing is
+     recomputed, and the engine learns as always. Its peak plus what it saved estimates the
+     step's use with everything kept; the excess is that over the engine's bound.
+  2. Where the excess is under 1/16 of the limit (or the link is free, the simulated device),
+     nothing is recomputed and the hooks go idle. Otherwise step 2 recomputes every region and
+     times its forward (CUDA events; wall time on the simulated device): in step 1 the swaps
+     slow forward down, and a region that swaps nothing runs at its own speed. The engine learns
+     again (``SwapEngine.relearn``): what the model saves has changed.
+  3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
+     from the first region to the last, and backward's as twice that; if its choice differs
+     from step 2's, the engine learns once more, and the choice then holds for the run.
 """
 from __future__ import annotations
 
