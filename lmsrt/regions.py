@@ -59,6 +59,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from .engine import _counter_only, _modified_error
+from .options import spelled
 from .units import format_bytes
 
 __all__ = ["Regions", "choose_regions"]
@@ -226,7 +227,7 @@ class _Collect:
                     f"lmsrt: recomputing region {frame.region.name} saved a {t.dtype} tensor of "
                     f"shape {list(t.shape)} where its forward saved {dtype} {list(shape)}: its "
                     "forward does not repeat itself (control flow on data or on global state). "
-                    "Turn recompute off (recompute=False, --recompute off).")
+                    f"Turn recompute off (recompute=False, {spelled('recompute', False)}).")
             frame.again[index] = t.detach()
         return index
 
