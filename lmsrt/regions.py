@@ -42,7 +42,7 @@ NOTE [ Region plan ]
      slow forward down, and a region that swaps nothing runs at its own speed. The engine learns
      again (``SwapEngine.relearn``): what the model saves has changed.
   3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
-     from the first region to the last, and backward's as twice that; if its choice differs
+     as its regions' and backward's as twice that; if its choice differs
      from step 2's, the engine learns once more, and the choice then holds for the run.
 """
 from __future__ import annotations
@@ -479,7 +479,7 @@ class Regions:
 
     def _plan(self) -> None:
         """NOTE [ Region plan ]."""
-        seen, order, forward = set(), [], []
+        seen, order = set(), []
         for region, start, end in self._timings:
             if not self.simulated:
                 end.synchronize()
@@ -488,12 +488,10 @@ class Regions:
             if region not in seen:
                 seen.add(region)
                 order.append(region)
-            forward.append((start, end))
         self.order = order
-        if self.simulated:
-            t_fwd = forward[-1][1] - forward[0][0] if forward else 0.0
-        else:
-            t_fwd = forward[0][0].elapsed_time(forward[-1][1]) / 1e3 if forward else 0.0
+        # Forward's time: its regions' (between them, the engine's learning step waits for
+        # copies of their inputs).
+        t_fwd = sum(r.seconds for r in order)
         bandwidth = self.bandwidth or _bandwidth(self.engine.device)
         excess = self._excess
         usable = [r for r in order if r.usable]
