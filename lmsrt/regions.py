@@ -42,13 +42,17 @@ NOTE [ Region plan ]
      slow forward down, and a region that swaps nothing runs at its own speed. The engine learns
      again (``SwapEngine.relearn``): what the model saves has changed.
   3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
-     as its regions' and backward's as twice that; if its choice differs
+     as its regions' and backward's as twice that. A swap costs the copy time compute does not
+     hide: out, forward's time and as much of backward's start as what backward adds over
+     forward's end (step 1's peak less its use at forward's end) leaves room for; in,
+     backward's time. Rebuilt bytes (step 1's share) cross no link (``StepFigures``); if its choice differs
      from step 2's, the engine learns once more, and the choice then holds for the run.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -62,7 +66,7 @@ from .engine import _counter_only, _modified_error
 from .options import spelled
 from .units import format_bytes
 
-__all__ = ["Regions", "choose_regions"]
+__all__ = ["Regions", "StepFigures", "choose_regions"]
 
 SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
                                # sets ``Regions.bandwidth`` to make them cost)
@@ -70,41 +74,60 @@ _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
 
 
-def choose_regions(regions: Sequence[Tuple[int, float]], excess: int, t_fwd: float,
-                   t_bwd: float, bandwidth: float) -> List[int]:
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+    """What the region plan knows of a step (NOTE [ Region plan ]), in bytes and seconds."""
+
+    excess: int         # over the bound, were every saved tensor kept
+    saved: int          # saved in all (eligible storages)
+    rebuilt: int        # of which the engine rebuilds rather than moves
+    spill: int          # what backward adds over forward's end: room for copies still running
+    t_fwd: float
+    t_bwd: float
+    bandwidth: float    # of the link, each way
+
+    def swap_seconds(self, freed: int) -> float:
+        """Step time the swaps cost where recomputed regions free ``freed`` bytes: the copy
+        time that compute does not hide. Out: forward, and backward's start as far as the spill
+        holds; in: backward. Rebuilt storages (the same share of what remains) cross no link."""
+        share = self.rebuilt / self.saved if self.saved else 0.0
+        moved = max(0.0, self.excess - freed - share * max(0, self.saved - freed))
+        t = moved / self.bandwidth
+        return (max(0.0, t - self.t_fwd - self.spill / self.bandwidth)
+                + max(0.0, t - self.t_bwd))
+
+
+def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> List[int]:
     """NOTE [ Region plan ]: the indices (in forward order) of the regions to recompute.
 
-    ``regions`` are (bytes a recompute frees, seconds its forward takes); ``excess`` the bytes
-    that must leave the GPU at the step's peak; swapping ``x`` bytes costs the copy time that
-    compute does not hide, ``max(0, x / bandwidth - t_fwd) + max(0, x / bandwidth - t_bwd)``;
-    recomputing a region costs its forward time and frees its bytes. Regions are taken from the
-    last in forward (backward needs them first, where their copies would hide worst), skipping
-    any whose forward takes longer than a copy of its bytes (moving them never costs more); the
-    count taken is the one of least predicted time, the fewest on a tie (none where swapping
-    hides already).
+    ``regions`` are (bytes a recompute frees, seconds its forward takes). Recomputing a region
+    costs its forward time and frees its bytes; swaps cost ``step.swap_seconds``. Regions are
+    taken from the last in forward (backward needs them first, where their copies would hide
+    worst), skipping any whose forward takes longer than a copy of its bytes (moving them never
+    costs more); the count taken is the one of least predicted time, the fewest on a tie (none
+    where the swaps hide already).
 
     Example::
 
-        choose_regions([(2 << 30, 0.004)] * 16, excess=12 << 30, t_fwd=0.06, t_bwd=0.12,
-                       bandwidth=55e9)     # the last regions, as many as pay for themselves
+        step = StepFigures(excess=12 << 30, saved=15 << 30, rebuilt=0, spill=1 << 30,
+                           t_fwd=0.05, t_bwd=0.1, bandwidth=55e9)
+        choose_regions([(1 << 30, 0.003)] * 16, step)   # the last ones, as many as pay
     """
-    def swap_cost(x: int) -> float:
-        t = max(0, x) / bandwidth
-        return max(0.0, t - t_fwd) + max(0.0, t - t_bwd)
-
-    best, best_cost = 0, swap_cost(excess)
+    best, best_cost = 0, step.swap_seconds(0)
     freed, spent, taken = 0, 0.0, []
     for i in range(len(regions) - 1, -1, -1):
         nbytes, seconds = regions[i]
-        if seconds * bandwidth >= nbytes:
+        if not best_cost:
+            break
+        if seconds * step.bandwidth >= nbytes:
             continue
         freed, spent = freed + nbytes, spent + seconds
         taken.append(i)
-        cost = spent + swap_cost(excess - freed)
+        cost = spent + step.swap_seconds(freed)
         if cost < best_cost:
             best, best_cost = len(taken), cost
-        if freed >= excess:
-            break
+        if cost == spent:
+            break                      # nothing left to move that does not hide
     return sorted(taken[:best])
 
 
@@ -253,6 +276,7 @@ class Regions:
         self._owner = hooks             # the engine, or its C++ hooks
         self.simulated = engine.device.kind == "sim"
         self.bandwidth: Optional[float] = SIM_BANDWIDTH if self.simulated else None
+        self.worth = engine.limit >> _WORTH_SHIFT    # least excess the regions are timed for
         self.step = 0
         self.phase = "survey"           # survey (step 1), timing (step 2), planned
         self.idle = False               # planned to recompute nothing: the hooks return at once
@@ -263,6 +287,7 @@ class Regions:
         self._mixed: list = []          # (name, Sequential) of mixed classes, grouped after step 1
         self._out_bytes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.order: List[_Region] = []  # regions in forward order, as the timing step ran them
+        self.figures: Optional[StepFigures] = None   # what the plan was made from
         self._local = threading.local()
         self._timings: list = []        # (region, start, end) of this step's recomputed forwards
         self._recomputes: list = []     # (start, end) of this step's recomputes in backward
@@ -460,11 +485,13 @@ class Regions:
         step1 = self.engine.current_step()
         # What the step would hold with every saved tensor kept: its peak, which swapped them
         # all, plus what it saved; the excess over the bound must leave (NOTE [ Region plan ]).
-        self._excess = max(0, step1.gpu_peak_bytes + step1.out_bytes + step1.kept_bytes
-                           + step1.live_bytes + step1.recipe_bytes - self.engine.mark)
-        limit, found = self.engine.limit, len({r for r, _ in self._of.values()})
-        free_link = self.bandwidth == SIM_BANDWIDTH
-        if not self._of or self._excess < limit >> _WORTH_SHIFT or free_link:
+        self._saved = (step1.out_bytes + step1.kept_bytes + step1.live_bytes
+                       + step1.recipe_bytes)
+        self._excess = max(0, step1.gpu_peak_bytes + self._saved - self.engine.mark)
+        self._rebuilt = step1.recipe_bytes
+        self._spill = max(0, step1.gpu_peak_bytes - step1.forward_end_bytes)
+        found = len({r for r, _ in self._of.values()})
+        if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
             self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
                        f"bound is left to the swaps")
             return
@@ -495,8 +522,9 @@ class Regions:
         bandwidth = self.bandwidth or _bandwidth(self.engine.device)
         excess = self._excess
         usable = [r for r in order if r.usable]
-        chosen = choose_regions([(r.nbytes, r.seconds) for r in usable], excess, t_fwd,
-                                2 * t_fwd, bandwidth)
+        self.figures = StepFigures(excess, self._saved, self._rebuilt, self._spill, t_fwd,
+                                   2 * t_fwd, bandwidth)
+        chosen = choose_regions([(r.nbytes, r.seconds) for r in usable], self.figures)
         for i in chosen:
             usable[i].chosen = True
         if len(chosen) != len(usable):
@@ -505,7 +533,10 @@ class Regions:
                 f"{format_bytes(sum(usable[i].nbytes for i in chosen))}, forward "
                 f"{sum(usable[i].seconds for i in chosen) * 1e3:.1f} ms); "
                 f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, "
-                f"link {bandwidth / 1e9:.0f} GB/s")
+                f"link {bandwidth / 1e9:.0f} GB/s; swaps predicted to cost "
+                f"{self.figures.swap_seconds(0) * 1e3:.1f} ms without, "
+                f"{self.figures.swap_seconds(sum(usable[i].nbytes for i in chosen)) * 1e3:.1f} "
+                f"with")
         if chosen:
             self.phase, self.note = "planned", note
         else:
@@ -517,6 +548,9 @@ class Regions:
         of the recomputes in backward that have finished."""
         return dict(regions=len(self.order) or len({r for r, _ in self._of.values()}),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
+                    figures=self.figures and dataclasses.asdict(self.figures),
+                    each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
+                          for r in self.order],
                     refused={r.name: r.why for r in self.order if not r.usable},
                     note=self.note, recompute_ms=self._elapsed_ms(self._recomputes),
                     **self._step_counts)

@@ -10,8 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lmsrt
-from lmsrt.device import SimulatedDevice
-from lmsrt.regions import choose_regions
+from lmsrt.regions import StepFigures, choose_regions
 
 
 class Block(nn.Module):
@@ -52,11 +51,10 @@ def _segnet():
 
 
 def _lms(device: str) -> lmsrt.LMS:
-    """An LMS whose plan recomputes every region: a link of 1 byte/s hides no copy. (Regions
-    are timed only when more than 1/16 of the limit must leave: the simulated GPU holds 1 MiB.)"""
-    lms = lmsrt.LMS(lms=1, lms_frac=0.0,
-                    device=SimulatedDevice(capacity=1 << 20) if device == "sim" else device)
-    lms._regions.bandwidth = 1.0
+    """An LMS whose plan recomputes every region: a link of 1 byte/s hides no copy, and any
+    excess is worth it (by default 1/16 of the limit)."""
+    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device=device)
+    lms._regions.bandwidth, lms._regions.worth = 1.0, 0
     return lms
 
 
@@ -210,21 +208,31 @@ def test_recompute_off_finds_no_regions():
     assert lms._regions is None and lms.stats()["regions"] is None
 
 
+def _figures(excess_gib: float, **changes) -> StepFigures:
+    """A transformer stack's step: 15 GiB saved, forward 50 ms, backward 100 ms, 55 GB/s."""
+    return StepFigures(**dict(dict(excess=int(excess_gib * 2**30), saved=15 << 30, rebuilt=0,
+                                   spill=1 << 30, t_fwd=0.05, t_bwd=0.1, bandwidth=55e9),
+                              **changes))
+
+
 def test_plan_recomputes_nothing_where_swaps_hide():
-    blocks = [(1 << 30, 0.004)] * 16
-    # 2 GiB at 55 GB/s hide under a forward of 60 ms.
-    assert choose_regions(blocks, 2 << 30, 0.06, 0.12, 55e9) == []
-    assert choose_regions(blocks, 0, 0.06, 0.12, 55e9) == []
+    blocks = [(1 << 30, 0.003)] * 16
+    # 3 GiB out at 55 GB/s hide under forward and the spill, and come back under backward.
+    assert choose_regions(blocks, _figures(3)) == []
+    assert choose_regions(blocks, _figures(0)) == []
+    # So do 6 GiB, of which the engine rebuilds half.
+    assert choose_regions(blocks, _figures(6, rebuilt=7 << 30)) == []
 
 
 def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
-    blocks = [(1 << 30, 0.004)] * 16
-    chosen = choose_regions(blocks, 14 << 30, 0.06, 0.12, 55e9)
-    # The last ones, and only as many as pay: what is left to move hides under forward.
+    blocks = [(1 << 30, 0.003)] * 16
+    chosen = choose_regions(blocks, _figures(14))
+    # The last ones, and only as many as pay: what is left to move hides.
     assert chosen == list(range(16 - len(chosen), 16)) and 8 <= len(chosen) < 14
+    assert _figures(14).swap_seconds(len(chosen) << 30) < 0.003
     # A region slower to run than its bytes to move is never recomputed.
     slow = blocks[:15] + [(1 << 20, 0.01)]
-    assert 15 not in choose_regions(slow, 14 << 30, 0.06, 0.12, 55e9)
+    assert 15 not in choose_regions(slow, _figures(14))
 
 
 def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
