@@ -219,6 +219,8 @@ def run_child(args, workload: str, method: str, cap: float, frac=0.0,
         shown += f": {res['error']}"
     print(f"  {workload:7} {_label(res):12} cap={cap or '-':>4} lms_frac={frac:<4} {shown}"
           f"  ({res['wall_s']} s)", flush=True)
+    if res.get("regions"):
+        print(f"    regions: {res['regions']['note']}", flush=True)
     return res
 
 

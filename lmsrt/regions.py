@@ -43,10 +43,12 @@ NOTE [ Region plan ]
      again (``SwapEngine.relearn``): what the model saves has changed.
   3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
      as its regions' and backward's as twice that. A swap costs the copy time compute does not
-     hide: out, forward's time and as much of backward's start as what backward adds over
-     forward's end (step 1's peak less its use at forward's end) leaves room for; in,
-     backward's time. Rebuilt bytes (step 1's share) cross no link (``StepFigures``); if its choice differs
-     from step 2's, the engine learns once more, and the choice then holds for the run.
+     hide (out: forward's; in: backward's); rebuilt bytes (step 1's share) cross no link
+     (``StepFigures``).
+  4. The prediction is checked against steps that ran. A choice short of every region is tried
+     after one planned step that recomputes them all, timed (step 3): the engine learns it
+     (step 4) and two planned steps are timed (5, 6); the faster of the two ways holds for the
+     run (the engine learns once more if it is every region).
 """
 from __future__ import annotations
 
@@ -81,20 +83,18 @@ class StepFigures:
     excess: int         # over the bound, were every saved tensor kept
     saved: int          # saved in all (eligible storages)
     rebuilt: int        # of which the engine rebuilds rather than moves
-    spill: int          # what backward adds over forward's end: room for copies still running
     t_fwd: float
     t_bwd: float
     bandwidth: float    # of the link, each way
 
     def swap_seconds(self, freed: int) -> float:
         """Step time the swaps cost where recomputed regions free ``freed`` bytes: the copy
-        time that compute does not hide. Out: forward, and backward's start as far as the spill
-        holds; in: backward. Rebuilt storages (the same share of what remains) cross no link."""
+        time that compute does not hide (out: forward's; in: backward's). Rebuilt storages (the
+        same share of what remains) cross no link."""
         share = self.rebuilt / self.saved if self.saved else 0.0
         moved = max(0.0, self.excess - freed - share * max(0, self.saved - freed))
         t = moved / self.bandwidth
-        return (max(0.0, t - self.t_fwd - self.spill / self.bandwidth)
-                + max(0.0, t - self.t_bwd))
+        return max(0.0, t - self.t_fwd) + max(0.0, t - self.t_bwd)
 
 
 def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> List[int]:
@@ -109,8 +109,8 @@ def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> L
 
     Example::
 
-        step = StepFigures(excess=12 << 30, saved=15 << 30, rebuilt=0, spill=1 << 30,
-                           t_fwd=0.05, t_bwd=0.1, bandwidth=55e9)
+        step = StepFigures(excess=12 << 30, saved=15 << 30, rebuilt=0, t_fwd=0.05, t_bwd=0.1,
+                           bandwidth=55e9)
         choose_regions([(1 << 30, 0.003)] * 16, step)   # the last ones, as many as pay
     """
     best, best_cost = 0, step.swap_seconds(0)
@@ -280,6 +280,11 @@ class Regions:
         self.step = 0
         self.phase = "survey"           # survey (step 1), timing (step 2), planned
         self.idle = False               # planned to recompute nothing: the hooks return at once
+        self._all = False               # recompute every usable region (timing and trial steps)
+        self._choice: list = []         # the plan's regions, while it is tried
+        self._starts: dict = {}         # step -> its start mark, while steps are compared
+        self._check_at = 0
+        self._all_seconds = self._plan_seconds = 0.0
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
         self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> (R, start)
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()
@@ -378,7 +383,7 @@ class Regions:
         if found is None or self.phase == "survey":
             return None
         region = found[0]
-        if not (region.usable and (region.chosen or self.phase == "timing")):
+        if not (region.usable and (region.chosen or self._all)):
             return None
         frame = _Frame(self, region, args, self.hooks)
         self._local.frame = frame
@@ -465,15 +470,30 @@ class Regions:
     # -- steps and the plan --------------------------------------------------------------------
 
     def _begin_step(self, step: int) -> None:
-        """The engine's step listener: finish the last step's figures, move to the next phase."""
+        """The engine's step listener: finish the last step's figures, move to the next phase
+        (NOTE [ Region plan ])."""
         self._step_counts = dict(recomputed=0, dropped_bytes=0, kept_calls=0)
         self._recomputes = []
         self.step = step
-        if step == 2 and self.phase == "survey":
+        if self.phase in ("timing", "trial", "checking"):
+            self._starts[step] = self._mark()    # steps are timed from one start to the next
+        if self.phase == "survey" and step >= 2:
             self._survey_done()
-        elif step == 3 and self.phase == "timing":
+        elif self.phase == "timing":
             self._plan()
+        elif self.phase == "trial":
+            self._try_plan()
+        elif self.phase == "checking" and step >= self._check_at:
+            self._settle()
         self._timings = []
+
+    def _step_seconds(self, step: int) -> float:
+        """How long step ``step`` took, from its start to the next one's (waits for it)."""
+        start, end = self._starts[step][0], self._starts[step + 1][0]
+        if self.simulated:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def _elapsed_ms(self, spans: list) -> float:
         if self.simulated:
@@ -489,19 +509,18 @@ class Regions:
                        + step1.recipe_bytes)
         self._excess = max(0, step1.gpu_peak_bytes + self._saved - self.engine.mark)
         self._rebuilt = step1.recipe_bytes
-        self._spill = max(0, step1.gpu_peak_bytes - step1.forward_end_bytes)
         found = len({r for r, _ in self._of.values()})
         if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
             self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
                        f"bound is left to the swaps")
             return
-        self.phase = "timing"
+        self.phase, self._all = "timing", True
         self.note = "step 2 recomputes every region to time its forward"
         self.engine.relearn()
 
     def _done(self, note: str) -> None:
-        """The plan recomputes nothing: the hooks return at once. (They stay: removing a global
-        hook makes torch.compile compile its graphs again.)"""
+        """Nothing to recompute: the hooks return at once. (They stay: removing a global hook
+        makes torch.compile compile its graphs again.)"""
         self.phase, self.note, self.idle = "planned", note, True
 
     def _plan(self) -> None:
@@ -522,14 +541,11 @@ class Regions:
         bandwidth = self.bandwidth or _bandwidth(self.engine.device)
         excess = self._excess
         usable = [r for r in order if r.usable]
-        self.figures = StepFigures(excess, self._saved, self._rebuilt, self._spill, t_fwd,
-                                   2 * t_fwd, bandwidth)
+        self.figures = StepFigures(excess, self._saved, self._rebuilt, t_fwd, 2 * t_fwd,
+                                   bandwidth)
         chosen = choose_regions([(r.nbytes, r.seconds) for r in usable], self.figures)
-        for i in chosen:
-            usable[i].chosen = True
-        if len(chosen) != len(usable):
-            self.engine.relearn()        # the timing step recomputed them all
-        note = (f"recompute {len(chosen)} of {len(order)} regions (frees "
+        self._choice = [usable[i] for i in chosen]
+        self.note = (f"recompute {len(chosen)} of {len(order)} regions (frees "
                 f"{format_bytes(sum(usable[i].nbytes for i in chosen))}, forward "
                 f"{sum(usable[i].seconds for i in chosen) * 1e3:.1f} ms); "
                 f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, "
@@ -537,10 +553,41 @@ class Regions:
                 f"{self.figures.swap_seconds(0) * 1e3:.1f} ms without, "
                 f"{self.figures.swap_seconds(sum(usable[i].nbytes for i in chosen)) * 1e3:.1f} "
                 f"with")
-        if chosen:
-            self.phase, self.note = "planned", note
+        if len(chosen) == len(usable):
+            self._apply(self._choice)
+            self.phase = "planned"
         else:
-            self._done(note)
+            self.phase = "trial"         # one planned step with every region recomputed, timed
+
+    def _apply(self, chosen: list) -> None:
+        """Recompute ``chosen`` from this step on (the plan's choice, or every region)."""
+        self._all = False
+        for region in self.order:
+            region.chosen = region in chosen
+        self.idle = not chosen
+
+    def _try_plan(self) -> None:
+        self._all_seconds = self._step_seconds(self.step - 1)
+        self._apply(self._choice)
+        self.engine.relearn()
+        self.phase = "checking"          # it learns in this step, then two planned steps
+        self._check_at = self.step + 3
+
+    def _settle(self) -> None:
+        """Keep the plan's choice if its steps ran no slower than the step that recomputed every
+        region; else recompute them all (the swaps cost more than predicted)."""
+        self._plan_seconds = min(self._step_seconds(self.step - 2),
+                                 self._step_seconds(self.step - 1))
+        self._starts = {}
+        self.phase = "planned"
+        verdict = (f"its steps {self._plan_seconds * 1e3:.1f} ms, with every region recomputed "
+                   f"{self._all_seconds * 1e3:.1f} ms")
+        if self._plan_seconds <= self._all_seconds:
+            self.note += f"; kept: {verdict}"
+            return
+        self.note += f"; every region recomputed instead: {verdict}"
+        self._apply(self.order)
+        self.engine.relearn()
 
     def stats(self) -> dict:
         """The step in flight's regions, for ``LMS.stats()["regions"]``: region calls recomputed
@@ -549,6 +596,7 @@ class Regions:
         return dict(regions=len(self.order) or len({r for r, _ in self._of.values()}),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
                     figures=self.figures and dataclasses.asdict(self.figures),
+                    step_seconds=dict(all=self._all_seconds, plan=self._plan_seconds),
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
                           for r in self.order],
                     refused={r.name: r.why for r in self.order if not r.usable},

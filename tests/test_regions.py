@@ -211,17 +211,17 @@ def test_recompute_off_finds_no_regions():
 def _figures(excess_gib: float, **changes) -> StepFigures:
     """A transformer stack's step: 15 GiB saved, forward 50 ms, backward 100 ms, 55 GB/s."""
     return StepFigures(**dict(dict(excess=int(excess_gib * 2**30), saved=15 << 30, rebuilt=0,
-                                   spill=1 << 30, t_fwd=0.05, t_bwd=0.1, bandwidth=55e9),
-                              **changes))
+                                   t_fwd=0.05, t_bwd=0.1, bandwidth=55e9), **changes))
 
 
 def test_plan_recomputes_nothing_where_swaps_hide():
     blocks = [(1 << 30, 0.003)] * 16
-    # 3 GiB out at 55 GB/s hide under forward and the spill, and come back under backward.
-    assert choose_regions(blocks, _figures(3)) == []
+    # 2.5 GiB out at 55 GB/s hide under forward, and come back under backward.
+    assert choose_regions(blocks, _figures(2.5)) == []
     assert choose_regions(blocks, _figures(0)) == []
-    # So do 6 GiB, of which the engine rebuilds half.
-    assert choose_regions(blocks, _figures(6, rebuilt=7 << 30)) == []
+    # So do 5 GiB, of which the engine rebuilds half.
+    assert choose_regions(blocks, _figures(5, rebuilt=7.5 * 2**30)) == []
+    assert choose_regions(blocks, _figures(5)) != []
 
 
 def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
