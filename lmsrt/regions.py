@@ -316,7 +316,9 @@ class Regions:
         handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
                                                                        always_call=True))
         self._finalizer = weakref.finalize(self, _remove, handles)
-        engine.step_listeners.append(self._begin_step)
+        # Held weakly by the engine, as by the hooks: a dropped LMS is freed at once, no cycle.
+        listener = weakref.WeakMethod(self._begin_step)
+        engine.step_listeners.append(lambda step: (listener() or _ignore)(step))
 
     def close(self) -> None:
         """Remove the global module hooks."""
@@ -616,6 +618,10 @@ def _bandwidth(device) -> float:
     end.record()
     end.synchronize()
     return 4 * _PROBE_BYTES / (start.elapsed_time(end) / 1e3)
+
+
+def _ignore(step: int) -> None:
+    pass
 
 
 def _remove(handles: list) -> None:
