@@ -45,10 +45,11 @@ NOTE [ Region plan ]
      as its regions' and backward's as twice that. A swap costs the copy time compute does not
      hide (out: forward's; in: backward's); rebuilt bytes (step 1's share) cross no link
      (``StepFigures``).
-  4. The prediction is checked against steps that ran. A choice short of every region is tried
-     after one planned step that recomputes them all, timed (step 3): the engine learns it
-     (step 4) and two planned steps are timed (5, 6); the faster of the two ways holds for the
-     run (the engine learns once more if it is every region).
+  4. The prediction is checked against steps that ran. Two choices are made: with rebuilt
+     bytes crossing no link, and with every byte moved (more regions). Unless both are every
+     region, steps 3 and 4 recompute every region, planned, and are timed (the faster counts);
+     then each other choice in turn: the engine learns it, two planned steps are timed. The
+     fastest way holds for the run (the engine learns it once more unless it was the last).
 """
 from __future__ import annotations
 
@@ -281,10 +282,11 @@ class Regions:
         self.phase = "survey"           # survey (step 1), timing (step 2), planned
         self.idle = False               # planned to recompute nothing: the hooks return at once
         self._all = False               # recompute every usable region (timing and trial steps)
-        self._choice: list = []         # the plan's regions, while it is tried
+        self._candidates: list = []     # choices of regions still to be tried
+        self._trying: list = []         # the one being tried (first: every region)
+        self._tried: list = []          # (seconds a step, choice)
         self._starts: dict = {}         # step -> its start mark, while steps are compared
         self._check_at = 0
-        self._all_seconds = self._plan_seconds = 0.0
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
         self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> (R, start)
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()
@@ -483,10 +485,8 @@ class Regions:
             self._survey_done()
         elif self.phase == "timing":
             self._plan()
-        elif self.phase == "trial":
-            self._try_plan()
-        elif self.phase == "checking" and step >= self._check_at:
-            self._settle()
+        elif self.phase in ("trial", "checking") and step >= self._check_at:
+            self._time_steps()
         self._timings = []
 
     def _step_seconds(self, step: int) -> float:
@@ -537,6 +537,7 @@ class Regions:
                 seen.add(region)
                 order.append(region)
         self.order = order
+        self._trying = [r for r in order if r.usable]
         # Forward's time: its regions' (between them, the engine's learning step waits for
         # copies of their inputs).
         t_fwd = sum(r.seconds for r in order)
@@ -545,51 +546,56 @@ class Regions:
         usable = [r for r in order if r.usable]
         self.figures = StepFigures(excess, self._saved, self._rebuilt, t_fwd, 2 * t_fwd,
                                    bandwidth)
-        chosen = choose_regions([(r.nbytes, r.seconds) for r in usable], self.figures)
-        self._choice = [usable[i] for i in chosen]
-        self.note = (f"recompute {len(chosen)} of {len(order)} regions (frees "
-                f"{format_bytes(sum(usable[i].nbytes for i in chosen))}, forward "
-                f"{sum(usable[i].seconds for i in chosen) * 1e3:.1f} ms); "
-                f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, "
-                f"link {bandwidth / 1e9:.0f} GB/s; swaps predicted to cost "
-                f"{self.figures.swap_seconds(0) * 1e3:.1f} ms without, "
-                f"{self.figures.swap_seconds(sum(usable[i].nbytes for i in chosen)) * 1e3:.1f} "
-                f"with")
-        if len(chosen) == len(usable):
-            self._apply(self._choice)
-            self.phase = "planned"
+        sizes = [(r.nbytes, r.seconds) for r in usable]
+        # Two choices: with rebuilt bytes crossing no link, and (on the safe side, should the
+        # rebuilt share be smaller where the plan leaves swaps) with every byte moved.
+        for figures in (self.figures, dataclasses.replace(self.figures, rebuilt=0)):
+            chosen = [usable[i] for i in choose_regions(sizes, figures)]
+            if chosen != usable and chosen not in self._candidates:
+                self._candidates.append(chosen)
+        self.note = (f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, link "
+                     f"{bandwidth / 1e9:.0f} GB/s, swaps predicted to cost "
+                     f"{self.figures.swap_seconds(0) * 1e3:.1f} ms")
+        if self._candidates:
+            self.phase = "trial"         # two planned steps recompute every region, timed
+            self._check_at = self.step + 2
         else:
-            self.phase = "trial"         # one planned step with every region recomputed, timed
+            self._settle_on(usable)
 
     def _apply(self, chosen: list) -> None:
-        """Recompute ``chosen`` from this step on (the plan's choice, or every region)."""
+        """Recompute ``chosen`` from this step on (a choice of the plan, or every region)."""
         self._all = False
         for region in self.order:
             region.chosen = region in chosen
         self.idle = not chosen
 
-    def _try_plan(self) -> None:
-        self._all_seconds = self._step_seconds(self.step - 1)
-        self._apply(self._choice)
-        self.engine.relearn()
-        self.phase = "checking"          # it learns in this step, then two planned steps
-        self._check_at = self.step + 3
-
-    def _settle(self) -> None:
-        """Keep the plan's choice if its steps ran no slower than the step that recomputed every
-        region; else recompute them all (the swaps cost more than predicted)."""
-        self._plan_seconds = min(self._step_seconds(self.step - 2),
-                                 self._step_seconds(self.step - 1))
-        self._starts = {}
-        self.phase = "planned"
-        verdict = (f"its steps {self._plan_seconds * 1e3:.1f} ms, with every region recomputed "
-                   f"{self._all_seconds * 1e3:.1f} ms")
-        if self._plan_seconds <= self._all_seconds:
-            self.note += f"; kept: {verdict}"
+    def _time_steps(self) -> None:
+        """The steps of the way being tried are over: note the faster of its last two; try the
+        next way, or settle on the fastest."""
+        seconds = min(self._step_seconds(self.step - 2), self._step_seconds(self.step - 1))
+        self._tried.append((seconds, self._trying))
+        if self._candidates:
+            self._trying = self._candidates.pop(0)
+            self._apply(self._trying)
+            self.engine.relearn()
+            self.phase = "checking"      # it learns in this step, then two planned steps
+            self._check_at = self.step + 3
             return
-        self.note += f"; every region recomputed instead: {verdict}"
-        self._apply(self.order)
-        self.engine.relearn()
+        self._starts = {}
+        seconds, best = min(self._tried, key=lambda t: t[0])
+        if best is not self._trying:
+            self.engine.relearn()
+        self._settle_on(best)
+
+    def _settle_on(self, chosen: list) -> None:
+        self._apply(chosen)
+        self.phase = "planned"
+        tried = ", ".join(f"{len(c)}: {t * 1e3:.1f} ms" for t, c in self._tried)
+        self.note = (f"recompute {len(chosen)} of {len(self.order)} regions (frees "
+                     f"{format_bytes(sum(r.nbytes for r in chosen))}, forward "
+                     f"{sum(r.seconds for r in chosen) * 1e3:.1f} ms); {self.note}"
+                     + (f"; steps timed with so many regions recomputed: {tried}" if tried
+                        else ""))
 
     def stats(self) -> dict:
         """The step in flight's regions, for ``LMS.stats()["regions"]``: region calls recomputed
@@ -598,7 +604,7 @@ class Regions:
         return dict(regions=len(self.order) or len({r for r, _ in self._of.values()}),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
                     figures=self.figures and dataclasses.asdict(self.figures),
-                    step_seconds=dict(all=self._all_seconds, plan=self._plan_seconds),
+                    tried=[(len(c), t) for t, c in self._tried],
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
                           for r in self.order],
                     refused={r.name: r.why for r in self.order if not r.usable},

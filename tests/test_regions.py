@@ -235,15 +235,31 @@ def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
     assert 15 not in choose_regions(slow, _figures(14))
 
 
-def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
+def _two_choices(monkeypatch) -> None:
+    """The plan's two choices taken as given: the last two regions of four, the last three."""
     import lmsrt.regions
-    # The plan's choice (the last two regions of four) taken as given: swaps and recomputes mix.
-    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, *a: [2, 3])
-    x = torch.randn(4, 16, 32)
-    lms = _check_exact("sim", lambda: Stack(32, 4), x, steps=5)
+    choices = iter([[2, 3], [1, 2, 3]])
+    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: next(choices))
+
+
+def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
+    _two_choices(monkeypatch)
+    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=7)
     stats = lms.stats()["regions"]
-    assert stats["planned"] == 2 and stats["recomputed"] == 2
+    # Steps 3 and 4 recomputed every region; step 5 learnt afresh what the first choice saves,
+    # and step 7 follows its plan, swaps and recomputes mixed.
+    assert stats["phase"] == "checking" and stats["planned"] == 2 and stats["recomputed"] == 2
     assert [r.name for r in lms._regions.order if r.chosen] == ["blocks[2]", "blocks[3]"]
     assert "regions: 2 of 4 recomputed" in lms.summary()
-    # Step 3 learnt afresh what the plan now saves, and step 5 follows its plan.
     assert lms.stats()["last_step"]["mode"] == "plan"
+
+
+def test_the_fastest_of_the_ways_tried_holds(monkeypatch):
+    _two_choices(monkeypatch)
+    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=12)
+    stats = lms.stats()["regions"]
+    # Every region (steps 3, 4), the first choice (5 to 7), the second (8 to 10): step 11
+    # settled on the fastest.
+    assert stats["phase"] == "planned" and [n for n, _ in stats["tried"]] == [4, 2, 3]
+    fastest = min(stats["tried"], key=lambda t: t[1])[0]
+    assert stats["planned"] == stats["recomputed"] == fastest

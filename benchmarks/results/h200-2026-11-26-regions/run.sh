@@ -13,10 +13,13 @@ tail -2 $OUT/cuda-regions.log
 bench() {   # tree name workload caps methods [more args]
   local tree=$1 name=$2 w=$3 caps=$4 methods=$5; shift 5
   (cd $tree && PYTHONPATH=. python benchmarks/offload.py --workloads $w --caps $caps \
-     --methods $methods --fracs auto --warmup 10 --timeout 100 --out $OUT/$name "$@") \
+     --methods $methods --fracs auto --warmup ${WARMUP:-12} --timeout 100 --out $OUT/$name "$@") \
      > $OUT/$name.log 2>&1
   grep -E "^  $w|checkpointing's" $OUT/$name.log
 }
-for spec in "${@}"; do bench $spec; done
+for spec in "${@}"; do
+  if [ $SECONDS -gt ${BUDGET_S:-400} ]; then echo "skipped (time): $spec"; continue; fi
+  bench $spec
+done
 # One archive: the device returns a limited number of files.
 (cd $OUT && tar czf results.tgz --exclude='*.png' --exclude=results.tgz * && find . -mindepth 1 ! -name results.tgz -delete)
