@@ -78,6 +78,7 @@ class Parts(NamedTuple):
     autocast: bool
     loss: Callable[[torch.Tensor], torch.Tensor] = _square_mean
     optimizer: Optional[torch.optim.Optimizer] = None
+    validate_first: bool = False     # a no_grad forward before the first step (a sanity check)
 
 
 def _gpt(d, layers, batch, seq):
@@ -88,6 +89,15 @@ def _gpt(d, layers, batch, seq):
 
 def _seg(batch=16):
     return Parts(SegNet().cuda(), (torch.randn(batch, 4, 768, 1024, device="cuda"),), True)
+
+
+def _seg_tuned(batch=16):
+    """``seg`` as most conv training scripts run it (torchvision's references): cuDNN's
+    benchmark mode on, weights and inputs channels_last."""
+    torch.backends.cudnn.benchmark = True
+    last = torch.channels_last
+    return Parts(SegNet().cuda().to(memory_format=last),
+                 (torch.randn(batch, 4, 768, 1024, device="cuda").to(memory_format=last),), True)
 
 
 def _lm(batch=16, seq=1024, d=1024, layers=24, heads=16, vocab=50304, device="cuda"):
@@ -113,6 +123,9 @@ WORKLOADS = {
     "seg": _seg,
     "gptsmall": lambda: _gpt(1024, 8, 4, 1024),
     "lm": _lm,
+    "segtuned": _seg_tuned,
+    # gpt with a validation forward (no_grad) before training, as Lightning runs by default
+    "gptval": lambda: _gpt(2048, 16, 8, 2048)._replace(validate_first=True),
 }
 
 
@@ -122,7 +135,8 @@ class Workload:
 
     def __init__(self, name: str, **size):
         self.name = name
-        self.model, self.inputs, self.autocast, self.loss, self.optimizer = WORKLOADS[name](**size)
+        (self.model, self.inputs, self.autocast, self.loss, self.optimizer,
+         self.validate_first) = WORKLOADS[name](**size)
         self.device = self.inputs[0].device.type
 
     def model_loss(self):
@@ -143,6 +157,10 @@ class Workload:
     def step(self, ctx, marks=None):
         """One step; ``marks`` (three CUDA events) split its GPU time at the end of forward and
         of backward."""
+        if self.validate_first:
+            self.validate_first = False
+            with ctx, torch.no_grad():
+                self.forward()
         if marks:
             marks[0].record()
         with ctx:

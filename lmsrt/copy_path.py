@@ -5,14 +5,16 @@ Optional. Without it the engine makes the same calls through torch's Python bind
 costs ~1.4x the CPU per swapped tensor (benchmarks/pack_overhead.py measures both). It is a
 torch extension, so it must be compiled for the installed torch, and it is, on first use on a
 CUDA GPU: the first ``LMS`` (or ``lmsrt info``) on a machine compiles it (a C++ compiler and
-ninja, about a minute, once per torch version) and says so in one line; see NOTE [ Building on
+ninja, 14-18 s, once per torch version) and says so in one line; see NOTE [ Building on
 first use ]. ``lmsrt build`` does the same ahead of time::
 
     lmsrt build          # then `lmsrt info` says "copy path: native"
 
-The build lands in ``$LMSRT_CACHE`` (default ``~/.cache/lmsrt``), in a folder per torch
-version, Python and source, and ``LMS`` picks it up from there. ``LMSRT_COPY_PATH=python``
-turns it off. Without a CUDA GPU nothing is compiled unless asked (``lmsrt build``).
+The build lands in ``$LMSRT_CACHE`` (cache.py, ``cache_root``), in a folder per torch version,
+Python and source, and ``LMS`` picks it up from there, if that folder and the built file are the
+user's own and not writable by others; if not, it says so once and builds in a private folder
+instead (cache.py, NOTE [ Trusting the cache ]). ``LMSRT_COPY_PATH=python`` turns it off.
+Without a CUDA GPU nothing is compiled unless asked (``lmsrt build``).
 """
 from __future__ import annotations
 
@@ -23,18 +25,20 @@ import importlib.util
 import logging
 import os
 import shutil
+import stat
 import sys
 import sysconfig
+import tempfile
 import time
 from typing import Iterator, Optional, Tuple
 
-from .cache import cache_root
+from .cache import cache_root, say_once, trusted_dir, unsafe, write_file
 
-__all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir"]
+__all__ = ["build", "load", "status", "set_enabled", "source_path", "build_dir", "private_root"]
 
 _ENV_OFF = "LMSRT_COPY_PATH"
 _FAILED = "build-failed.txt"    # in build_dir(): why the last build failed; stops automatic retries
-_LOCK_TIMEOUT_S = 900           # a build takes about a minute; a lock held this long is stuck
+_LOCK_TIMEOUT_S = 900           # a build takes 14-18 s; a lock held this long is stuck
 _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 
 # NOTE [ Building on first use ]
@@ -42,7 +46,7 @@ _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 # isolated environment without the user's torch, and pulling torch into it would download an
 # unpinned, multi-GB wheel. So the first load() on a CUDA GPU compiles it instead:
 #   1. Only with a CUDA GPU, the one place the engine uses it. On a CPU-only machine load()
-#      never compiles (a test run would spend a minute on it for nothing); ``lmsrt build`` still
+#      never compiles (a test run would spend 15 s on it for nothing); ``lmsrt build`` still
 #      can, and tests/test_copy_path.py does, against CPU torch.
 #   2. One builder per machine. torchrun starts a process per GPU and each creates an LMS: the
 #      first takes a file lock in build_dir() and compiles, the others wait on the lock, then find
@@ -51,9 +55,12 @@ _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 #      every later build wait forever, so a holder of ours removes it.
 #   3. Never fails a run. No compiler or no ninja: say so once, use the Python path. A failed
 #      compile: say so once and write build-failed.txt, so that later processes (every trial of
-#      ``lmsrt tune``, every rank) do not spend a minute failing again; ``lmsrt build`` retries.
+#      ``lmsrt tune``, every rank) do not spend 15 s failing again; ``lmsrt build`` retries.
 #   4. The folder's name carries the torch version, the Python and a digest of the source, so a
 #      new torch or an edited csrc/copy_path.cpp builds afresh rather than loading a stale module.
+#      The module's name is the folder's, so one process may build it in two folders (another
+#      LMSRT_CACHE, the private folder): torch's memory of names it built is cleared before
+#      each build (``_compile``), and the module is loaded by its file's path.
 
 
 def source_path() -> str:
@@ -72,16 +79,64 @@ def _module_name() -> str:
 
 
 def build_dir() -> str:
-    return os.path.join(cache_root(), _module_name())
+    """The folder the copy path is built in and loaded from: its folder in the cache, or if that
+    cannot be trusted its folder in ``private_root()``, said once (NOTE [ Trusting the cache ],
+    Rule 2). PermissionError if neither can be trusted.
+
+    Example::
+
+        print(lmsrt.copy_path.build_dir())   # ~/.cache/lmsrt/lmsrt_copy_path_2_13_0_cpu_py312_...
+    """
+    folder, why = _cache_refusal()
+    if not why:
+        return folder
+    root = private_root()
+    private = os.path.join(root, _module_name())
+    also = (unsafe(root, link_ok=False) if os.path.lexists(root) else "") or _untrusted(private)
+    if also:
+        raise PermissionError(f"the C++ copy path's folders cannot be trusted: {why}; {also}. "
+                              "Set LMSRT_CACHE to a folder of your own that others cannot write.")
+    say_once(f"lmsrt: the C++ copy path is not loaded from {folder}: {why}; it builds in "
+             f"{private} instead (make the cache yours, not writable by others: chmod go-w, or "
+             "set LMSRT_CACHE to a folder of your own)")
+    return private
+
+
+def private_root() -> str:
+    """Where the copy path builds when the cache cannot be trusted: a folder of this user's
+    in the temporary folder, made 0700 (its sticky bit keeps others from replacing it)."""
+    return os.path.join(tempfile.gettempdir(), f"lmsrt-{os.geteuid()}")
+
+
+def _cache_refusal() -> Tuple[str, str]:
+    """The copy path's folder in the cache, and why it cannot be trusted ('' if it can)."""
+    folder = os.path.join(cache_root(), _module_name())
+    return folder, _untrusted(folder)
+
+
+def _untrusted(folder: str) -> str:
+    """Why the build folder ``folder``, the folder holding it or the file built there must not
+    be used, or '' (what is not there yet is made by lmsrt, 0700)."""
+    for path, link_ok in ((os.path.dirname(folder), True), (folder, False),
+                          (_built_in(folder), False)):
+        if path and os.path.lexists(path):
+            why = unsafe(path, link_ok)
+            if why:
+                return why
+    return ""
+
+
+def _built_in(folder: str) -> str:
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for name in (_module_name() + ".so", _module_name() + suffix):
+        path = os.path.join(folder, name)
+        if os.path.lexists(path):
+            return path
+    return ""
 
 
 def _built_file() -> str:
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    for name in (_module_name() + ".so", _module_name() + suffix):
-        path = os.path.join(build_dir(), name)
-        if os.path.exists(path):
-            return path
-    return ""
+    return _built_in(build_dir())
 
 
 def _check_source() -> None:
@@ -112,31 +167,34 @@ def _compile(verbose: bool) -> str:
     import torch
     from torch.utils import cpp_extension
 
-    failed = os.path.join(build_dir(), _FAILED)
+    folder = build_dir()
+    failed = os.path.join(folder, _FAILED)
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(build_dir(), "lock"))     # torch's, left by a killed build
+        os.remove(os.path.join(folder, "lock"))     # torch's, left by a killed build
     # Against a CUDA build of torch the copies are raw cudaMemcpyAsync calls (csrc says why).
     cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    # torch builds a name again in a process only if its sources changed, whatever the folder
+    # (and records them as built even when the compiler failed): forget the name, and ninja
+    # decides what is up to date (NOTE [ Building on first use ], 4).
+    with contextlib.suppress(AttributeError):
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(_module_name(), None)
     try:
         with _quiet(cpp_extension.__name__, verbose):
             cpp_extension.load(name=_module_name(), sources=[source_path()],
-                               build_directory=build_dir(),
+                               build_directory=folder,
                                extra_cflags=["-O2"] + (["-DLMSRT_CUDA"] if cuda else []),
                                with_cuda=cuda, verbose=verbose)
     except Exception as e:
-        with open(failed, "w") as f:
-            f.write(f"{type(e).__name__}: {e}\n")
-        # torch records the sources as built even when the compiler failed, and would skip the
-        # compiler on a retry in this process: forget them.
-        with contextlib.suppress(AttributeError):
-            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(_module_name(), None)
+        write_file(failed, f"{type(e).__name__}: {e}\n")
         raise
     with contextlib.suppress(FileNotFoundError):
         os.remove(failed)
     _loaded = None
-    path = _built_file()
+    path = _built_in(folder)
     if not path:
-        raise RuntimeError(f"lmsrt build: the compiler finished but nothing is in {build_dir()}")
+        raise RuntimeError(f"lmsrt build: the compiler finished but nothing is in {folder}")
+    # The linker honours the umask: a group-writable file would be refused at its next load.
+    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
     return path
 
 
@@ -144,8 +202,12 @@ def _compile(verbose: bool) -> str:
 def _build_lock() -> Iterator[None]:
     from filelock import FileLock
 
-    os.makedirs(build_dir(), exist_ok=True)
-    with FileLock(os.path.join(build_dir(), "build.lock"), timeout=_LOCK_TIMEOUT_S):
+    folder = build_dir()
+    why = trusted_dir(folder)
+    if why:
+        raise PermissionError(f"{why}; set LMSRT_CACHE to a folder of your own that others "
+                              "cannot write")
+    with FileLock(os.path.join(folder, "build.lock"), timeout=_LOCK_TIMEOUT_S):
         yield
 
 
@@ -306,9 +368,15 @@ def set_enabled(enabled: bool) -> None:
 
 
 def status() -> str:
-    """Which copy path the engine uses on a GPU, and why not the native one if so."""
+    """Which copy path the engine uses on a GPU, and why not the native one if so; where it
+    comes from if not the cache, and why not."""
     module = load()
+    try:
+        folder, why = _cache_refusal()
+    except Exception:       # noqa: BLE001 - no torch, no source: said by load()
+        why = ""
+    refused = f"; not from {folder}: {why}, so from {private_root()}" if why else ""
     if module is None:
-        return f"Python ({_loaded[1]})"
+        return f"Python ({_loaded[1]}{refused})"
     how = "cudaMemcpyAsync" if getattr(module, "raw_copies", False) else "copy_"
-    return f"native (csrc/copy_path.cpp, copies by {how})"
+    return f"native (csrc/copy_path.cpp, copies by {how}{refused})"

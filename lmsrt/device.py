@@ -65,6 +65,7 @@ class Device(Protocol):
     def peak_allocated(self) -> int: ...
     def alloc_retries(self) -> int: ...
     def alloc_failures(self) -> int: ...
+    def tunes_algorithms(self) -> bool: ...
     def reset_peak(self) -> None: ...
     def memory_limit(self) -> int: ...
     def empty(self, nbytes: int) -> torch.Tensor: ...
@@ -294,6 +295,12 @@ class CudaDevice:
         (a slower algorithm, which it keeps for the run)."""
         return self._counts()[2]
 
+    @staticmethod
+    def tunes_algorithms() -> bool:
+        """Whether cuDNN's benchmark mode is on: the first call of each shape then tries every
+        algorithm, with workspaces as large as memory allows, and keeps the fastest."""
+        return bool(torch.backends.cudnn.benchmark and torch.backends.cudnn.enabled)
+
     def peak_allocated(self) -> int:
         """Peak allocated bytes since the last ``reset_peak``, even if the script reset torch's
         counter in between."""
@@ -426,6 +433,7 @@ class SimulatedDevice:
         self.capacity = int(capacity)
         self.strict = strict
         self.failures = 0            # allocations refused at the capacity (strict)
+        self.tuning = False          # tunes_algorithms(): stands in for cuDNN's benchmark mode
         self.copy_lag = copy_lag
         self.pin_limit = pin_limit
         self.pinned_total = 0
@@ -484,6 +492,9 @@ class SimulatedDevice:
 
     def alloc_failures(self) -> int:
         return self.failures
+
+    def tunes_algorithms(self) -> bool:
+        return self.tuning            # set by a test that stands in for cuDNN's benchmark mode
 
     def reset_peak(self) -> None:
         self._peak = self.memory_allocated()

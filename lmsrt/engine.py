@@ -90,7 +90,10 @@ the step holds no more than it would have. When forward ends, those still withou
 waiting, unless use is under 1/16 of the limit: then they stay on the GPU for backward (counted as
 kept), where there is room (a backward needing 15x its forward's end use is not a real model), and
 waiting would stall the step for copies that free nothing in time. Unpack reads a held source as it
-reads any other.
+reads any other. Under auto (``policy.keeps_small``) a deferral starts no pin (only host memory
+already pinned, a layout pinned ahead by cache.py, takes a copy at once), and forward that ends
+under the quarter keeps what it deferred: a model that small fits, and its first step neither
+pins nor moves a byte (a backward needing 3x its forward's end use on top is not a real model).
 
 NOTE [ Steps that keep everything ]
 A model that fits its cap still passes each saved tensor through the hooks, and its forward often
@@ -616,7 +619,7 @@ class SwapEngine:
                                 swapped=self._swapped_last,
                                 beyond_plan=self._beyond_plan, peak=s.gpu_peak_bytes,
                                 retries=s.alloc_retries, failures=s.alloc_failures,
-                                over=self._over)
+                                over=self._over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
         self._rec = None
         self.run_stats.add(s)
@@ -1047,7 +1050,9 @@ class SwapEngine:
         if (wait and not planned and self._forward_open and key == self._compute_key
                 and use <= limit >> _DEFER_SHIFT):
             refused = self.host.refused
-            slot = self.host.alloc(nbytes, wait=False)
+            # Under auto no pin starts here (NOTE [ Deferred copies ]).
+            slot = (self.host.landed(nbytes) if self.policy.keeps_small
+                    else self.host.alloc(nbytes, wait=False))
             if slot is None:
                 return None if self.host.refused != refused else self._defer(
                     t, nbytes, seq, ref, version, stream, key)
@@ -1094,20 +1099,21 @@ class SwapEngine:
         return s
 
     def _settle_deferred(self) -> None:
-        """Copy out deferred storages whose pins have landed; all of them, waiting for their
-        pins, once GPU use passes a quarter of the limit."""
+        """Copy out deferred storages, all of them, waiting for their pins, once GPU use passes
+        a quarter of the limit."""
         if self._use_read + self._use_delta > self.limit >> _DEFER_SHIFT:
             self._copy_deferred(wait=True)
         elif self.host.pins_landed:
             self._copy_deferred(wait=False)
 
     def _end_deferred(self) -> None:
-        """Forward is over: deferred storages still without a pin stay on the GPU for backward
-        while use is under 1/16 of the limit (waiting would stall the step for copies that free
-        nothing in time); over it, their copies start, waiting for the pins (backward's own
-        use is not known, least of all in the learning step)."""
+        """Forward is over: deferred storages stay on the GPU for backward while use is under a
+        quarter of the limit (a model that small fits: NOTE [ Deferred copies ]); over it,
+        their copies start, waiting for the pins (backward's own use is not known, least of
+        all in the learning step)."""
         try:
-            self._copy_deferred(wait=self.device.memory_allocated() > self.limit >> 4)
+            small = self.limit >> (_DEFER_SHIFT if self.policy.keeps_small else 4)
+            self._copy_deferred(wait=self.device.memory_allocated() > small)
             for s in self._deferred:
                 if not s.dead and s.source is not None:
                     self.step.kept_bytes += s.nbytes

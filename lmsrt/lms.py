@@ -15,7 +15,7 @@ from . import arena
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
-from .options import OPTIONS, describe
+from .options import OPTIONS, describe, spelled
 from .regions import Regions
 from .stats import StepStats, format_summary
 
@@ -40,8 +40,8 @@ def _say_no_gpu_once() -> None:
     global _said_no_gpu
     if not _said_no_gpu:
         warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
-                      "machine, or pass device='sim' to test on the CPU.", RuntimeWarning,
-                      stacklevel=3)
+                      "machine, or simulate one on the CPU: device='sim' (under lmsrt run: "
+                      f"{spelled('device', 'sim')}).", RuntimeWarning, stacklevel=3)
     _said_no_gpu = True
 
 
@@ -87,6 +87,39 @@ def _step_aside_where_hooks_are_disabled() -> None:
 # At import, before torch.compile is used: dynamo recognises the context manager by identity,
 # from a table it builds when it is first imported.
 _step_aside_where_hooks_are_disabled()
+
+
+_torch_backward = None            # torch.autograd.backward and grad, unwrapped
+
+
+def _annotate_backward_ooms() -> None:
+    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
+    ``torch.autograd.grad`` (once per process, when lmsrt is imported) so that an out-of-memory
+    error raised in backward while an LMS holds saved tensors carries lmsrt's context, as one
+    raised in forward does: autograd's own allocations (a gradient, a kernel's workspace) fail
+    there, not in lmsrt's code. The same exception goes on; nothing else changes."""
+    global _torch_backward
+    if _torch_backward is not None:
+        return
+    _torch_backward = (torch.autograd.backward, torch.autograd.grad)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                for engine in list(_live_engines):
+                    if not engine.closed and engine.step.step:
+                        engine.annotate_oom(exc, "in backward")
+                        break
+                raise
+        return call
+
+    torch.autograd.backward, torch.autograd.grad = map(wrap, _torch_backward)
+
+
+_annotate_backward_ooms()
 
 
 _said: set = set()
@@ -277,9 +310,9 @@ class LMS:
             "copy_path": self.copy_path,
             "mark_bytes": self._engine.mark if self._engine else 0,
             "limit_bytes": self._engine.limit if self._engine else 0,
-            # What the last run of this command used, pinned as this LMS was created (cache.py).
-            "pinned_ahead_bytes": sum(self._engine.memo.recalled)
-            if self._engine and self._engine.memo else 0,
+            # What the last run of this command used, pinned as this LMS was created (cache.py):
+            # the pins started, less any that failed, not what the record asked for.
+            "pinned_ahead_bytes": self._engine.host.pinned_ahead if self._engine else 0,
             "last_step": step.as_dict(),
             "total": totals or {k: v for k, v in StepStats().as_dict().items() if k != "mode"}
             | {"steps": 0},

@@ -66,6 +66,12 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      largest batch is the one that must fit); so is one that grew later in its sequence and
      repeated. A smaller sequence stays reactive (the last, partial batch of an epoch), and one
      that keeps changing is learnt again at most every ``_RELEARN`` steps.
+  6. Learn from a training step. A step none of whose saved storages came back in backward (a
+     validation forward before training, a graph dropped, a forward under no_grad) is learnt
+     again by the next: its use is not a training step's. Under cuDNN's benchmark mode, the
+     first call of each shape tries every algorithm with workspaces as large as memory allows:
+     a step with a sequence of sizes not seen in a learning step before is learnt again by the
+     next, whose algorithms (chosen with the least held) are those later steps run.
 A model that fits under the bound keeps everything: nothing moves.
 
 NOTE [ Fixed mark ]
@@ -104,6 +110,7 @@ class FixedPolicy:
     auto = False
     learning = False
     recording = None          # records no profile
+    keeps_small = False       # a first step swaps what it defers (engine, NOTE [ Deferred copies ])
 
     def __init__(self, lms_frac: float, limit: int, window: int):
         self.lms_frac = lms_frac
@@ -151,7 +158,8 @@ class FixedPolicy:
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0, over: Optional[tuple] = None) -> None:
+                    failures: int = 0, over: Optional[tuple] = None,
+                    tuning: bool = False) -> None:
         """NOTE [ Fixed mark ]."""
         self._first = False
         mark = self.mark
@@ -301,6 +309,7 @@ class AutoPolicy:
     """``lms_frac="auto"``: NOTE [ Auto ]."""
 
     auto = True
+    keeps_small = True        # a step under a quarter of the limit keeps what it defers
 
     def __init__(self, limit: int, window: int):
         self.limit = limit
@@ -326,6 +335,7 @@ class AutoPolicy:
         self._cutoff = -1
         self._planned_for = None       # the budget the current plan was made for
         self._planned_rebuildable: set = set()   # and the storages it could rebuild
+        self._tried: Optional[List[int]] = None  # sizes of the last step cuDNN tuned in
         self._swap: List[int] = []
         self._slack = 0
         self._hold: List[int] = []
@@ -490,14 +500,30 @@ class AutoPolicy:
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0, over: Optional[tuple] = None) -> None:
+                    failures: int = 0, over: Optional[tuple] = None,
+                    tuning: bool = False) -> None:
         """``over``: (forward point, GPU use there less the base) where the step first swapped a
-        storage its plan keeps, use standing over the level (NOTE [ Auto ], 4)."""
+        storage its plan keeps, use standing over the level (NOTE [ Auto ], 4). ``tuning``:
+        whether cuDNN's benchmark mode is on (``Device.tunes_algorithms``)."""
         if self.learning:
             prof = self._recording
             self._recording = None
             if prof is not None:
                 prof.close()
+            if prof is None or not prof.bwd_own:
+                # No saved tensor came back (NOTE [ Auto ], 6): a validation forward, or one
+                # whose graph was dropped. What it held is not a training step's: learn again.
+                plan.set_target(swapped)
+                self.why = ("learning the model's own use from the first step with a backward "
+                            "(the last forward had none)")
+                return
+            if tuning and prof.sizes != self._tried:
+                # cuDNN tried its algorithms for these shapes in this step (NOTE [ Auto ], 6).
+                self._tried = prof.sizes
+                plan.set_target(swapped)
+                self.why = ("cuDNN's benchmark mode tried its algorithms in this step: learning "
+                            "the model's own use from the next one")
+                return
             self.learning = False
             self._since_learnt = 0
             if prof is not None and prof.sizes and len(prof.sizes) == len(plan.recorded):

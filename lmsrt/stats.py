@@ -5,9 +5,9 @@ import collections
 import dataclasses
 from typing import Deque, Dict
 
-from .units import GiB
+from .units import format_bytes
 
-__all__ = ["StepStats", "RunStats", "format_summary", "HISTORY_STEPS"]
+__all__ = ["StepStats", "RunStats", "format_brief", "format_summary", "moved", "HISTORY_STEPS"]
 
 
 @dataclasses.dataclass
@@ -112,8 +112,19 @@ class RunStats:
         return total
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB"
+def moved(stats: Dict[str, object]) -> bool:
+    """Whether LMS swapped or rebuilt anything in the run ``stats`` (``LMS.stats()``) describes."""
+    t = stats["total"]
+    return bool(t["out_bytes"] or t["recipe_bytes"])
+
+
+def format_brief(stats: Dict[str, object]) -> str:
+    """The summary in one line: ``'lmsrt: 6 steps, swapped out 1.50 MiB (12 tensors), ...'``."""
+    t = stats["total"]
+    return (f"lmsrt: {t['steps']} step{'' if t['steps'] == 1 else 's'}, swapped out "
+            f"{format_bytes(t['out_bytes'])} ({t['out_tensors']} tensors), rebuilt "
+            f"{format_bytes(t['recipe_bytes'])}, GPU peak {format_bytes(t['gpu_peak_bytes'])}, "
+            f"host pinned peak {format_bytes(t['host_peak_bytes'])}")
 
 
 def format_summary(stats: Dict[str, object]) -> str:
@@ -123,17 +134,17 @@ def format_summary(stats: Dict[str, object]) -> str:
     frac = frac if isinstance(frac, str) else f"{frac:g}"
     lines = [
         f"lmsrt  lms={stats['config']['lms']:g} KB  lms_frac={frac}  "
-        f"device={stats['device']}  mark={stats['mark_bytes'] / GiB:.2f} GiB  "
+        f"device={stats['device']}  mark={format_bytes(stats['mark_bytes'])}  "
         f"allocator={stats['allocator']}  copy path={stats['copy_path']}",
     ]
     if last.get("policy_note"):
-        lines.append(f"auto: use kept under {last['bound_bytes'] / GiB:.2f} GiB (headroom "
-                     f"{last['headroom_bytes'] / GiB:.2f} GiB), predicted peak "
-                     f"{last['predicted_peak_bytes'] / GiB:.2f} GiB; {last['policy_note']}")
+        lines.append(f"auto: use kept under {format_bytes(last['bound_bytes'])} (headroom "
+                     f"{format_bytes(last['headroom_bytes'])}), predicted peak "
+                     f"{format_bytes(last['predicted_peak_bytes'])}; {last['policy_note']}")
     regions = stats.get("regions")
     if regions and (regions["planned"] or regions["phase"] == "timing"):
         lines.append(f"regions: {regions['recomputed']} of {regions['regions']} recomputed last "
-                     f"step ({_gib(regions['dropped_bytes'])} dropped in forward, "
+                     f"step ({format_bytes(regions['dropped_bytes'])} dropped in forward, "
                      f"{regions['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
     lines.append(f"{'':22}{'last step':>14}{'total':>14}")
     rows = [
@@ -181,7 +192,7 @@ def format_summary(stats: Dict[str, object]) -> str:
                                              "kept, alive anyway", "GPU peak allocated",
                                              "host pinned peak", "host pinned",
                                              "  pinned ahead"):
-                cells.append(f"{_gib(v):>14}")
+                cells.append(f"{format_bytes(v):>14}")
             elif name.endswith("(s)"):
                 cells.append(f"{v:14.2f}")
             elif isinstance(v, float):

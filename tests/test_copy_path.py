@@ -206,3 +206,18 @@ def test_tools_next_to_python_are_found_outside_an_activated_venv(monkeypatch):
     with copy_path._tools_on_path():
         assert cpp_extension.is_ninja_available()
     assert os.environ["PATH"] == path
+
+
+@needs_tools
+def test_a_second_cache_in_one_process_builds_and_loads_there(tmp_path, monkeypatch):
+    """As a suite run without xdist does (test_copy_path.py, then test_native_hooks.py's
+    fixture): a process that built and loaded the module in one cache builds it in another
+    and loads it. torch remembered the name as built and skipped the compiler: "the
+    compiler finished but nothing is in ..."."""
+    for cache in ("first", "second"):
+        monkeypatch.setenv("LMSRT_CACHE", str(tmp_path / cache))
+        copy_path._loaded = None
+        path = copy_path.build()
+        assert path.startswith(str(tmp_path / cache)) and os.path.isfile(path), path
+        module = copy_path.load()     # the process may keep the first file's code: the same
+        assert module is not None and hasattr(module, "view"), copy_path.status()

@@ -426,6 +426,21 @@ def test_slabs_idle_for_n_steps_are_given_back(threads):
     pool.close()
 
 
+def test_a_step_gives_back_at_most_its_share():
+    """Unregistering pinned memory holds the driver: a step gives back at most
+    ``give_back_step`` bytes (at least one slab), the rest in the steps after."""
+    pool = HostPool(SimulatedDevice(), budget=1 << 40, chunk_min=MiB, chunk_max=MiB,
+                    idle_steps=1, give_back_step=2 * MiB)
+    _run_steps(pool, [MiB] * 8, 2, reserve=False)
+    given = []
+    for _ in range(6):
+        _run_steps(pool, [MiB] * 2, 1, reserve=False)
+        given.append(pool.given_back_bytes)
+    assert max(given) == 2 * MiB and sum(given) == 6 * MiB, given
+    assert pool.pinned_bytes == 2 * MiB
+    pool.close()
+
+
 def test_what_reserve_still_needs_is_not_given_back():
     pool = HostPool(SimulatedDevice(), budget=1 << 40, chunk_min=MiB, chunk_max=MiB, idle_steps=2)
     _run_steps(pool, [MiB] * 6, 2)

@@ -547,9 +547,9 @@ def test_lms_frac_0_overlaps_copies_with_forward():
     assert step["out_tensors"] > 4 and step["swapout_waits"] == 0, step
 
 
-def test_oom_in_backward_outside_lmsrt_keeps_torchs_error_and_lms_goes_on():
-    """Documented limit: an out-of-memory error raised in backward by the model's own kernels
-    (not while lmsrt brings a tensor back) carries torch's message only."""
+def test_oom_in_backward_outside_lmsrt_carries_its_context_and_lms_goes_on():
+    """An out-of-memory error raised in backward by the model's own kernels (not while lmsrt
+    brings a tensor back) keeps torch's message and type, with lmsrt's context added."""
     model, x = _mlp_and_input("sim")
     ref = train_step(model, x)
     lms = make_lms("sim")
@@ -559,7 +559,9 @@ def test_oom_in_backward_outside_lmsrt_keeps_torchs_error_and_lms_goes_on():
         torch.OutOfMemoryError("CUDA out of memory (injected)")))
     with pytest.raises(torch.OutOfMemoryError) as info:
         out.square().mean().backward()
-    assert "lmsrt" not in str(info.value)
+    text = str(info.value)
+    assert text.startswith("CUDA out of memory (injected)") and "in backward" in text, text
+    assert "lmsrt: out of GPU memory with LMS on" in text
     del out, info
     assert_same(ref, train_step(model, x, lms=lms))
 

@@ -11,12 +11,15 @@ __all__ = ["command"]
 @click.command("build")
 @click.option("--verbose", is_flag=True, help="Show the compiler's output.")
 def command(verbose: bool) -> None:
-    """Compile csrc/copy_path.cpp against the installed torch (about a minute, once per torch
-    version). LMS then makes its per-tensor CUDA calls from C++: the same calls with ~30% less
-    CPU per swapped tensor. Needs a C++ compiler and ninja (pip install ninja).
+    """Compile csrc/copy_path.cpp against the installed torch (14-16 s on an H200 host, 18 s on
+    a CPU host; once per torch version). LMS then makes its per-tensor CUDA calls from C++:
+    the same calls with ~30% less CPU per swapped tensor. Needs a C++ compiler and ninja (pip
+    install ninja).
 
     On a CUDA GPU the first LMS (or `lmsrt info`) builds it by itself; this builds it ahead of
     time (in a container image, on a shared LMSRT_CACHE), and retries a build that failed.
+    The cache must be yours and not writable by group or others (chmod go-w); else the build
+    goes to a private folder under the temporary folder, and `lmsrt info` says why.
 
     \b
     Examples:

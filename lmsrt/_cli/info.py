@@ -2,7 +2,8 @@
 
 Versions (lmsrt, torch, CUDA runtime, NVIDIA driver), the GPUs and their free memory, host memory
 and the pinned budget lmsrt would use per local rank, whether the native allocator and the C++
-copy path are in use, the ``LMSRT_*`` settings in the environment, and with ``--bandwidth`` the
+copy path are in use, the ``LMSRT_*`` settings in the environment, whether the C++ compiler
+and ninja that the copy path's first-use build needs are there, and with ``--bandwidth`` the
 pinned copy speed. On a CUDA GPU where the copy path is not built yet, asking for it builds it
 (lmsrt/copy_path.py, NOTE [ Building on first use ]), as the first LMS would.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
+import sysconfig
 from typing import Dict, List, Optional
 
 import click
@@ -19,9 +22,10 @@ import click
 from ..options import OPTIONS, spelled
 from ..units import GiB, MiB
 
-__all__ = ["command", "collect"]
+__all__ = ["command", "collect", "INFO_SCHEMA"]
 
-
+# The layout of `lmsrt info --json`; raised when a field changes meaning or goes.
+INFO_SCHEMA = 1
 
 def _driver_version() -> str:
     try:
@@ -58,6 +62,19 @@ def _gpus(torch) -> List[Dict[str, object]]:
         gpus.append({"index": i, "name": props.name, "capability": f"sm_{props.major}{props.minor}",
                      "total_bytes": total, "free_bytes": free})
     return gpus
+
+
+def _build_tools() -> Dict[str, Optional[str]]:
+    """Where the C++ compiler (the one torch.utils.cpp_extension builds with: $CXX, else c++, cl
+    on Windows) and ninja are, None for each that is not found. pip's ninja, beside this Python,
+    counts: the build looks there too."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    path = os.pathsep.join(p for p in (os.environ.get("PATH"), sysconfig.get_path("scripts"))
+                           if p)
+    return {"cxx_name": compiler, "cxx": shutil.which(compiler),
+            "ninja": shutil.which("ninja", path=path)}
 
 
 def _host() -> Dict[str, object]:
@@ -108,7 +125,8 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
 
     cuda = torch.cuda.is_available()
     data: Dict[str, object] = {
-        "lmsrt": __version__,
+        "lmsrt_version": __version__,
+        "schema": INFO_SCHEMA,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda,
@@ -120,6 +138,8 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
         "native_allocator": arena.NATIVE,
         "allocator": arena.native_status(),
         "copy_path": copy_path.status(),
+        "cache": _cache(),
+        "build_tools": _build_tools(),
         "settings": {k: v for k, v in os.environ.items()
                      if k in ENV_VARS or k in (ENV_GPU_LIMIT, ENV_STATS, ENV_MAX_STEPS)},
         "bandwidth": None,
@@ -129,6 +149,15 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     return data
 
 
+def _cache() -> Dict[str, object]:
+    """Where lmsrt keeps builds and pin records, and why it would not use them ('' if it
+    would; lmsrt/cache.py, NOTE [ Trusting the cache ])."""
+    from ..cache import cache_root, unsafe
+
+    root = cache_root()
+    return {"path": root, "refused": unsafe(root) if os.path.lexists(root) else ""}
+
+
 def _gib(n: Optional[float]) -> str:
     return "none" if n is None else f"{n / GiB:.2f} GiB"
 
@@ -136,7 +165,8 @@ def _gib(n: Optional[float]) -> str:
 def format_info(data: Dict[str, object]) -> str:
     """The text ``lmsrt info`` prints."""
     row = "  {:<20} {}".format
-    lines = [f"lmsrt {data['lmsrt']}",
+    tools = data["build_tools"]
+    lines = [f"lmsrt {data['lmsrt_version']}",
              row("python", data["python"]),
              row("torch", data["torch"]),
              row("CUDA runtime", data["cuda_runtime"] or "none (CPU-only build of torch)"),
@@ -144,6 +174,12 @@ def format_info(data: Dict[str, object]) -> str:
              row("NVIDIA driver", data["nvidia_driver"]),
              row("allocator", data["allocator"]),
              row("copy path", data["copy_path"]),
+             row("cache", data["cache"]["path"] + (f" (not used: {data['cache']['refused']})"
+                                                   if data["cache"]["refused"] else "")),
+             row("C++ compiler", tools["cxx"] or f"none: {tools['cxx_name']} is not on PATH; the "
+                 "copy path's first-use build needs one (install g++ or clang, or set CXX)"),
+             row("ninja", tools["ninja"] or "none: the copy path's first-use build needs it "
+                 "(pip install ninja)"),
              "GPUs"]
     if not data["gpus"]:
         lines.append(row("none", data["no_gpu_reason"]))

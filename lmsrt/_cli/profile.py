@@ -18,7 +18,7 @@ import click
 import torch
 
 from ..launch.output import check_output_file, write_atomic
-from ..launch.script import run_script
+from ..launch.script import check_script, run_script
 from ..launch.session import check_gpu_limit
 from ..profiler import render
 from ..profiler.recorder import StepDone, StepRecorder
@@ -71,8 +71,10 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
         raise click.UsageError("no script given; name it after the options, e.g. "
                                "lmsrt profile --gpu-size 8 train.py")
     script, args = target_and_args[0], list(target_and_args[1:])
-    if not os.path.isfile(script):
-        raise click.UsageError(f"script {script!r} does not exist; give the path of a Python file.")
+    try:
+        check_script(script, "lmsrt profile train.py")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     # Absolute, in case the script changes directory.
     html, png, snapshot = (_output_path(p, flag) for p, flag in
                            ((html, "--html"), (png, "--png"), (snapshot, "--snapshot")))

@@ -17,10 +17,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import click
 
 from ..launch.session import (BOOTSTRAP_DIR, ENV_ACTIVE, ENV_BOOTSTRAP, ENV_GPU_LIMIT,
-                              ENV_LAUNCHER_PID, ENV_STATS, check_environment, check_gpu_limit,
-                              start)
+                              ENV_LAUNCHER_PID, ENV_STATS, ENV_SUMMARY, check_environment,
+                              check_gpu_limit, start)
 from ..launch.output import check_output_file
-from ..launch.script import run_script
+from ..launch.script import check_script, run_script
 from ..options import OPTIONS, env_value
 from ._types import Choice, Number, setting_options, settings_given
 
@@ -71,7 +71,7 @@ _CHECKED = {
 # Not taken: -m is lmsrt run's own (passed on), --no-python would run the script without Python
 # and so without LMS, and --run-path runs it inside torchrun's worker function, which the
 # bootstrap has not been checked with. lmsrt run's own options win over any of the same name.
-_NOT_TAKEN = {"help", "module", "no-python", "run-path", "gpu-limit", "stats",
+_NOT_TAKEN = {"help", "module", "no-python", "run-path", "gpu-limit", "stats", "quiet", "summary",
               *(option.flag[2:] for option in OPTIONS.values() if option.flag)}
 
 
@@ -145,12 +145,18 @@ class _RunCommand(click.Command):
               help="Write LMS stats and step times as JSON at exit, also after SIGTERM (rank "
               "r>0: FILE.rank{r}). FILE must be a regular file or new, not a symlink; it is "
               "replaced whole, and kept as it was if writing fails.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No summary at exit (--stats still writes the stats).")
+@click.option("--summary", "full_summary", is_flag=True,
+              help="The summary table at exit always. Without --summary or --quiet: the table "
+              "when LMS swapped or rebuilt something, else one line; after the script's "
+              "traceback, one line.")
 @click.option("-m", "--module", "as_module", is_flag=True,
               help="Run a module, as python -m does: lmsrt run -m pkg.train ARGS.")
 @_torchrun_options
 @click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
-def command(gpu_limit: Optional[float], stats: Optional[str], as_module: bool,
-            target_and_args: Sequence[str], **options: object) -> None:
+def command(gpu_limit: Optional[float], stats: Optional[str], quiet: bool, full_summary: bool,
+            as_module: bool, target_and_args: Sequence[str], **options: object) -> None:
     """Run SCRIPT with LMS enabled from its first line to its last, unmodified.
 
     Options go before SCRIPT; everything after it is the script's own (--help included).
@@ -168,9 +174,12 @@ def command(gpu_limit: Optional[float], stats: Optional[str], as_module: bool,
     if not target_and_args:
         raise click.UsageError("no script given; name the script to run after the options, e.g. "
                                "lmsrt run --lms 1000 train.py (or -m pkg.module).")
+    if quiet and full_summary:
+        raise click.UsageError("--quiet and --summary ask for opposite things; give one.")
     target, args = target_and_args[0], list(target_and_args[1:])
     _check_target(target, as_module)
     settings = settings_given(options)
+    summary = "off" if quiet else "on" if full_summary else None
     try:
         check_environment(lms_overrides=settings)
     except ValueError as e:
@@ -185,8 +194,10 @@ def command(gpu_limit: Optional[float], stats: Optional[str], as_module: bool,
     if gpu_limit is not None and not _gpu_limit_applies(gpu_limit):
         gpu_limit = None
     if forwarded:
-        _exec_torchrun(forwarded, target, args, as_module, settings, stats_path, gpu_limit)
-    raise SystemExit(_run_here(target, args, as_module, settings, stats_path, gpu_limit))
+        _exec_torchrun(forwarded, target, args, as_module, settings, stats_path, gpu_limit,
+                       summary)
+    raise SystemExit(_run_here(target, args, as_module, settings, stats_path, gpu_limit,
+                               summary))
 
 
 def _check_target(target: str, as_module: bool) -> None:
@@ -201,9 +212,11 @@ def _check_target(target: str, as_module: bool) -> None:
         if not found:
             raise click.UsageError(f"no module named {target!r}; run from the directory that "
                                    "holds it, or add that directory to PYTHONPATH.")
-    elif not os.path.isfile(target):
-        raise click.UsageError(f"script {target!r} does not exist; give the path of a Python "
-                               "file (or -m pkg.module for a module).")
+    else:
+        try:
+            check_script(target, "lmsrt run train.py (or -m pkg.module for a module)")
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
 
 
 def _gpu_limit_applies(limit_gb: float) -> bool:
@@ -234,7 +247,7 @@ def _forwarded_torchrun_args(torchrun: Dict[str, object]) -> List[str]:
 
 def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module: bool,
                    settings: Dict[str, object], stats_path: Optional[str],
-                   gpu_limit: Optional[float]) -> None:
+                   gpu_limit: Optional[float], summary: Optional[str]) -> None:
     """Become ``python -m torch.distributed.run``; the bootstrap enables LMS in each worker.
 
     exec, not a child process: this process then holds no CUDA context (checking --gpu-limit may
@@ -247,6 +260,8 @@ def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module
         env[ENV_STATS] = stats_path
     if gpu_limit is not None:
         env[ENV_GPU_LIMIT] = repr(gpu_limit)
+    if summary is not None:
+        env[ENV_SUMMARY] = summary
     env[ENV_BOOTSTRAP] = "1"
     env[ENV_LAUNCHER_PID] = str(os.getpid())
     env.pop(ENV_ACTIVE, None)   # a launch from inside an lmsrt run script starts afresh
@@ -259,18 +274,23 @@ def _exec_torchrun(forwarded: List[str], target: str, args: List[str], as_module
 
 
 def _run_here(target: str, args: List[str], as_module: bool, settings: Dict[str, object],
-              stats_path: Optional[str], gpu_limit: Optional[float]) -> int:
+              stats_path: Optional[str], gpu_limit: Optional[float],
+              summary: Optional[str]) -> int:
     """Run the script in this process with LMS on; return its exit status."""
     saved_active = os.environ.get(ENV_ACTIVE)
     try:
-        session = start(lms_overrides=settings, stats_path=stats_path, gpu_limit_gb=gpu_limit)
+        session = start(lms_overrides=settings, stats_path=stats_path, gpu_limit_gb=gpu_limit,
+                        summary=summary)
     except ValueError as e:   # e.g. a bad LMSRT_* variable in the environment
         raise click.UsageError(f"{e}") from None
-    status = 1
+    status, failed = 1, True
     try:
-        status = run_script(target, args, as_module=as_module).status
+        end = run_script(target, args, as_module=as_module)
+        # A traceback was printed: anything that ended it but SystemExit.
+        status, failed = end.status, end.status != 0 and not isinstance(end.exception,
+                                                                        SystemExit)
     finally:
-        if not session.finish() and status == 0:
+        if not session.finish(failed) and status == 0:
             status = 1       # asked for stats and got none: no success to report
         if saved_active is None:
             os.environ.pop(ENV_ACTIVE, None)

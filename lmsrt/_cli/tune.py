@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from ..launch.tuning import (BISECT_FRACS, GRID_FRACS, Sweep, Trial, best_trial, check_out_dir,
-                             compare_auto, pareto_front, reference_lms, run_command, write_plot,
+from ..launch.script import check_script
+from ..launch.tuning import (BISECT_FRACS, GRID_FRACS, MIN_STEPS, MIN_TIMED, WIDEN_ROUNDS, Sweep,
+                             Trial, check_out_dir, compare_auto, pareto_front,
+                             recommend, reference_lms, run_command, spread_text, write_plot,
                              write_results)
 from ..options import AUTO, OPTIONS, format_setting, setting_range
 from ..units import format_bytes
@@ -74,14 +77,18 @@ _FRAC = Number(*setting_range("lms_frac"), words=OPTIONS["lms_frac"].words,
               show_default=True, metavar="KB,...", help=f"The {_LMS_FLAG} values to try.")
 @click.option(_FRAC_FLAG, "fracs", type=_NumberList(_FRAC), default=None,
               show_default="auto, then 0, 0.05, ..., 1", metavar="auto,F,...",
-              help=f"The {_FRAC_FLAG} values: auto (the engine finds the fraction) runs first, "
-              "at every --lms; the fractions are bisected (with --grid: each tried, 0, 0.1, "
-              "..., 1 by default). The summary says whether any fraction beats auto.")
+              help=f"The {_FRAC_FLAG} values. Order of trials: auto (the engine finds the "
+              "fraction) at every --lms first; then the largest fraction that fits is bisected "
+              "at --lms 1000 (or the first --lms), and every --lms runs at it and at the one "
+              "below; then two trials within each other's spread run again with twice the "
+              "steps. With --grid: at each --lms, auto and then every fraction (0, 0.1, ..., 1 "
+              "by default), lowest first. The summary says whether any fraction beats auto.")
 @click.option("--param", "params", type=_ParamValues(), multiple=True, metavar="NAME=V1,V2",
               help="Also sweep a flag of the script, e.g. batch-size=8,16 (repeatable): each "
               "trial's script gets --NAME V, replacing the value in its arguments if there.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, metavar="N",
-              help="Steps per trial; the step time is the median after 2 warm-up steps.")
+              help=f"Steps per trial; the step time is the median after 2 warm-up steps, its "
+              f"spread their interquartile range. Needs {MIN_STEPS} or more to time a trial.")
 @click.option("--gpu-limit", type=Number(0.0, low_open=True, example="give GiB, e.g. "
                                           "--gpu-limit 12"),
               metavar="GIB", help="Cap each trial's GPU memory, as a smaller GPU would.")
@@ -103,7 +110,8 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
     Options go before SCRIPT (or before --); everything after it is the script's own. Each
     trial stops after --steps steps. At the end: a table, results.csv, results.json, a plot of
     speed against GPU memory, whether a fixed --lms-frac beats auto, and the lmsrt run command
-    to use.
+    to use, or that no setting is measurably faster (differences within the trials' spread).
+    The same crash in two trials stops it: the script is broken.
 
     \b
     Examples:
@@ -115,9 +123,10 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
         raise click.UsageError("no script given; name it after the options, e.g. "
                                "lmsrt tune --gpu-limit 12 -- train.py --batch-size 8")
     script, args = target_and_args[0], list(target_and_args[1:])
-    if not os.path.isfile(script):
-        raise click.UsageError(f"script {script!r} does not exist; give the path of a Python "
-                               "file, e.g. lmsrt tune -- train.py")
+    try:
+        check_script(script, "lmsrt tune -- train.py")
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     names = [name for name, _ in params]
     if len(set(names)) != len(names):
         raise click.UsageError(f"--param names a flag twice ({', '.join(names)}); give each "
@@ -130,6 +139,10 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
                   steps=steps, gpu_limit=gpu_limit, timeout=timeout, out_dir=out_dir)
     click.echo(f"lmsrt tune: {_describe(sweep)}; {steps} steps a trial, results in {out_dir}",
                err=True)
+    if steps < MIN_STEPS:
+        click.echo(f"lmsrt tune: warning: --steps {steps} leaves fewer than {MIN_TIMED} timed "
+                   f"steps after the warm-up, so no trial can be compared; give --steps "
+                   f"{MIN_STEPS} or more.", err=True)
     view = _LiveView(names)
 
     def done(trial: Trial) -> None:
@@ -172,15 +185,16 @@ def _bytes(n: Optional[int]) -> str:
 
 def _table(trials: Sequence[Trial], names: List[str], marks: Optional[dict] = None) -> List[str]:
     """Rows of the trial table, a header first; ``marks`` puts a mark before some trial ids."""
-    head = ["#", *names, "lms", "lms_frac", "status", "steps/s", "GPU peak", "pinned peak",
-            "swapped/step"]
-    widths = [4, *(max(len(n), 6) for n in names), 6, 8, 7, 8, 10, 11, 12]
+    head = ["#", *names, "lms", "lms_frac", "status", "steps/s", "spread", "GPU peak",
+            "pinned peak", "swapped/step"]
+    widths = [4, *(max(len(n), 6) for n in names), 6, 8, 7, 8, 6, 10, 11, 12]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)) + "  note"]
     for t in trials:
         mark = (marks or {}).get(t.id, "")
         cells = [f"{mark}{t.id}", *(t.params[n] for n in names), f"{t.lms:g}",
                  format_setting(t.lms_frac),
                  t.status, "-" if t.steps_per_s is None else f"{t.steps_per_s:.3f}",
+                 spread_text(t) or "-",
                  _bytes(t.gpu_peak_bytes), _bytes(t.host_peak_bytes), _bytes(t.swapped_bytes)]
         row = "  ".join(c.rjust(w) for c, w in zip(cells, widths))
         lines.append(f"{row}  {t.error}".rstrip())
@@ -233,34 +247,56 @@ def _finish(sweep: Sweep, names: List[str], interrupted: bool) -> int:
     order = [tuple(p.items()) for p in sweep.combinations()]
     trials = sorted(sweep.trials, key=lambda t: (order.index(tuple(t.params.items())),
                                                  not t.ranked, -(t.steps_per_s or 0), t.id))
-    best = best_trial(sweep.trials)
+    best = recommend(sweep.trials)
     marks = {i: "*" for i in pareto_front(sweep.trials)}
     if best:
         marks[best.id] = ">"
     if trials:
         each = f" for each {', '.join(names)}" if names else ""
         click.echo(f"\n{len(trials)} trials, fastest first{each} (> recommended, * Pareto front: "
-                   "nothing else both faster and smaller):")
+                   "nothing else both faster and smaller; spread: half the interquartile range "
+                   "of the step times):")
         click.echo("\n".join(_table(trials, names, marks)))
     click.echo(f"\nwrote {', '.join(written)}")
-    if best is None:
-        click.echo(f"\nNo trial ran {sweep.steps} steps to a step time. Look at the logs in "
-                   f"{sweep.log_dir}; if they ran out of memory, raise --gpu-limit or sweep "
-                   "smaller --param values.")
-        return 130 if interrupted else 1
+    end = 130 if interrupted else 1
+    if sweep.broken:
+        first, second, error = sweep.broken
+        click.echo(f"\nTrials {first} and {second} crashed the same way ({error}), so tune "
+                   "stopped: the script is broken, whatever the settings, not short of memory. "
+                   f"Run it alone to see the whole error: "
+                   f"{shlex.join(['python', sweep.script, *sweep.args])}; the trials' "
+                   f"logs are in {sweep.log_dir}.")
+        return end
+    ranked = [t for t in sweep.trials if t.ranked]
+    if not ranked:
+        oom = any(t.status == "oom" for t in sweep.trials)
+        click.echo(f"\nNo trial was timed (the table's notes say why; logs in {sweep.log_dir})"
+                   + ("; those that ran out of memory need a higher --gpu-limit or smaller "
+                      "--param values." if oom else "."))
+        return end
     if len(sweep.combinations()) > 1:
         click.echo("\nFastest for each " + ", ".join(names) + " (steps/s compare settings at one "
                    "value; across values, weigh the work per step):")
         for params in sweep.combinations():
-            own = best_trial([t for t in sweep.trials if t.params == params])
+            group = [t for t in sweep.trials if t.params == params]
+            own = recommend(group)
             label = " ".join(f"{k}={v}" for k, v in params.items())
-            click.echo(f"  {label}: " + (f"{own.steps_per_s:.3f} steps/s, "
+            click.echo(f"  {label}: " + (f"{own.steps_per_s:.3f} steps/s {spread_text(own)}, "
                                          f"{_bytes(own.gpu_peak_bytes)}: "
                                          f"{run_command(own, sweep.script, sweep.gpu_limit)}"
-                                         if own else "nothing fit"))
+                                         if own else "no setting is measurably faster"
+                                         if any(t.ranked for t in group) else "nothing fit"))
     _say_auto(sweep, names)
-    click.echo(f"\nRecommended (trial {best.id}: {best.steps_per_s:.3f} steps/s, "
-               f"{_bytes(best.gpu_peak_bytes)} GPU peak):")
+    if best is None:
+        low = min(ranked, key=lambda t: t.steps_per_s)
+        high = max(ranked, key=lambda t: t.steps_per_s)
+        click.echo(f"\nNo setting is measurably faster: the {len(ranked)} timed trials ran "
+                   f"{low.steps_per_s:.3f}-{high.steps_per_s:.3f} steps/s, each within the "
+                   f"others' spread (after up to {WIDEN_ROUNDS} longer repeats), so nothing is "
+                   "recommended. Any of them will do; a longer --steps narrows the spread.")
+        return 130 if interrupted else 0
+    click.echo(f"\nRecommended (trial {best.id}: {best.steps_per_s:.3f} steps/s "
+               f"{spread_text(best)}, {_bytes(best.gpu_peak_bytes)} GPU peak):")
     click.echo(f"  {run_command(best, sweep.script, sweep.gpu_limit)}")
     return 130 if interrupted else 0
 

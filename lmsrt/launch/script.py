@@ -17,9 +17,10 @@ import os
 import runpy
 import sys
 import traceback
+import zipfile
 from typing import ContextManager, NamedTuple, Optional, Sequence, Tuple, Type
 
-__all__ = ["ScriptEnd", "exit_status", "print_script_traceback", "run_script"]
+__all__ = ["ScriptEnd", "check_script", "exit_status", "print_script_traceback", "run_script"]
 
 # Frames of these modules above the script's own are left out of its traceback.
 _OWN_FRAMES = ("lmsrt._cli.", __name__, "runpy")
@@ -31,6 +32,26 @@ class ScriptEnd(NamedTuple):
 
     status: int
     exception: Optional[BaseException] = None
+
+
+def check_script(target: str, example: str) -> None:
+    """Raise ValueError, saying what to give instead, unless python could run ``target``: a
+    file, or a directory or zip file holding ``__main__.py`` (as ``python target`` runs it).
+    ``example`` is a command line that ends the message."""
+    if os.path.isdir(target):
+        if os.path.isfile(os.path.join(target, "__main__.py")):
+            return
+        raise ValueError(f"{target!r} is a directory without a __main__.py, so python cannot "
+                         f"run it; give a Python file or such a directory, e.g. {example}")
+    if os.path.isfile(target):
+        if zipfile.is_zipfile(target):
+            with zipfile.ZipFile(target) as archive:
+                if "__main__.py" not in archive.namelist():
+                    raise ValueError(f"{target!r} is a zip file without a __main__.py, so python "
+                                     f"cannot run it; give a Python file, e.g. {example}")
+        return
+    raise ValueError(f"script {target!r} does not exist; give the path of a Python file (or of "
+                     f"a directory or zip file with a __main__.py), e.g. {example}")
 
 
 def exit_status(code: object) -> int:
@@ -59,8 +80,9 @@ def run_script(target: str, args: Sequence[str], *, as_module: bool = False,
                around: Optional[ContextManager] = None,
                finished: Tuple[Type[BaseException], ...] = (),
                quiet: Tuple[Type[BaseException], ...] = ()) -> ScriptEnd:
-    """Run the script ``target`` (a module with ``as_module``, as ``python -m``) with ``args``,
-    inside the context manager ``around`` if given; return how it ended.
+    """Run the script ``target`` (a file, or a directory or zip file with a ``__main__.py``; a
+    module with ``as_module``, as ``python -m``) with ``args``, inside the context manager
+    ``around`` if given; return how it ended.
 
     Status as under python: 0 when it returns, ``sys.exit``'s status (a message printed), 130
     after Ctrl-C, else 1 with the script's traceback printed. Exceptions in ``finished`` end it
@@ -77,8 +99,13 @@ def run_script(target: str, args: Sequence[str], *, as_module: bool = False,
                 sys.path[0:1] = [os.getcwd()]
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-                runpy.run_path(target, run_name="__main__")
+                # __file__ absolute, as python makes it. A directory or zip file with a
+                # __main__.py goes first on sys.path itself, in place of the script's directory
+                # (run_path puts it there).
+                path = os.path.abspath(target)
+                sys.path[0:1] = [] if os.path.isdir(path) or zipfile.is_zipfile(path) else [
+                    os.path.dirname(path)]
+                runpy.run_path(path, run_name="__main__")
     except finished as e:
         return ScriptEnd(0, e)
     except SystemExit as e:

@@ -19,7 +19,16 @@ passed in the environment:
                                      N + 1 would start (``lmsrt tune`` sets it for its trials)
     LMSRT_ACTIVE=1                   set by ``start()``: a script that enables LMS itself reads it
                                      and does not enable it a second time (see examples/)
+    LMSRT_SUMMARY=auto|on|off        the summary at exit (rank 0, stderr): ``auto`` (the default)
+                                     prints the table when LMS swapped or rebuilt something, else
+                                     one line, and after the script's traceback one line only;
+                                     ``on`` always the table (``lmsrt run --summary``), ``off``
+                                     nothing (``lmsrt run --quiet``)
     LMSRT_BOOTSTRAP, LMSRT_LAUNCHER_PID   tell the bootstrap which processes are workers
+
+Warnings whose message starts with ``lmsrt:`` print as that one line, without the source line
+of lmsrt's that raised them (a launcher user did not write it); the script's own warnings print
+as python prints them.
 
 Example (what the bootstrap does)::
 
@@ -37,20 +46,25 @@ import sys
 import threading
 import time
 import warnings
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
+from .. import __version__
 from ..options import OPTIONS
+from ..stats import format_brief, format_summary, moved
 from ..units import GiB
 from .output import check_output_file, write_atomic
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS",
-           "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID", "Session", "StepClock", "check_environment",
-           "check_gpu_limit", "start", "stats_path_for_rank"]
+           "ENV_SUMMARY", "SUMMARY_MODES", "STATS_SCHEMA", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID",
+           "Session", "StepClock", "check_environment", "check_gpu_limit", "start",
+           "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
 ENV_STATS = "LMSRT_STATS"
 ENV_GPU_LIMIT = "LMSRT_GPU_LIMIT_GB"
 ENV_MAX_STEPS = "LMSRT_MAX_STEPS"
+ENV_SUMMARY = "LMSRT_SUMMARY"
+SUMMARY_MODES = ("auto", "on", "off")
 ENV_BOOTSTRAP = "LMSRT_BOOTSTRAP"
 ENV_LAUNCHER_PID = "LMSRT_LAUNCHER_PID"
 
@@ -61,6 +75,9 @@ BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootst
 # Steps left out of the median step time: the first ones pin host slabs, autotune kernels and
 # record the plan, and are slower than every step after.
 WARMUP_STEPS = 2
+
+# The version of the layout of the --stats file; raised when a field changes meaning or goes.
+STATS_SCHEMA = 1
 
 
 class StepClock:
@@ -114,8 +131,9 @@ class Session:
     """
 
     def __init__(self, lms, stats_path: Optional[str] = None, rank: int = 0, world_size: int = 1,
-                 max_steps: Optional[int] = None):
+                 max_steps: Optional[int] = None, summary: str = "auto"):
         self.lms = lms
+        self.summary = summary
         self.stats_path = stats_path
         self.max_steps = max_steps
         self.rank = rank
@@ -123,6 +141,7 @@ class Session:
         self.clock: Optional[StepClock] = None
         self._finished = False
         self._sigterm = None         # the SIGTERM handler to put back, when start() replaced it
+        self._formatwarning = None   # warnings.formatwarning to put back, when start() replaced it
 
     def start(self) -> "Session":
         self.lms.__enter__()
@@ -139,8 +158,13 @@ class Session:
 
     def stats(self) -> Dict[str, object]:
         """``LMS.stats()`` plus ``step_times_s`` (from step 2 on), ``step_time_median_s`` (without
-        the first ``step_time_warmup`` of them), ``rank`` and ``world_size``."""
-        data = self.lms.stats()
+        the first ``step_time_warmup`` of them), ``rank``, ``world_size``, ``lmsrt_version`` and
+        ``schema`` (``STATS_SCHEMA``)."""
+        data = {"lmsrt_version": __version__, "schema": STATS_SCHEMA, **self.lms.stats()}
+        if not data["history"] and not _saved_any(data["last_step"]):
+            # The session opened step 1 before the script started; a script that saved no
+            # tensor for backward (no forward, or only under no_grad) ran no step.
+            data["total"]["steps"] = 0
         times = self.clock.step_times() if self.clock else []
         steady = self.clock.steady_times() if self.clock else []
         data["step_times_s"] = times
@@ -150,15 +174,22 @@ class Session:
         data["world_size"] = self.world_size
         return data
 
-    def finish(self) -> bool:
-        """Turn LMS off, write the stats file, print the summary (rank 0), free pinned memory.
+    def finish(self, failed: Optional[bool] = None) -> bool:
+        """Turn LMS off, write the stats file, print the summary (rank 0, as ``summary`` says),
+        free pinned memory.
 
         Runs once, whether the script returned, raised, called ``sys.exit`` or got SIGTERM.
-        Returns False when the stats file could not be written (the reason is printed).
+        ``failed``: the script's traceback was printed (None: python's record of an uncaught
+        exception says, as at exit in a torchrun worker). Returns False when the stats file could
+        not be written (the reason is printed).
         """
         if self._finished:
             return True
         self._finished = True
+        if failed is None:
+            failed = getattr(sys, "last_value", None) is not None
+        if self._formatwarning is not None:
+            warnings.formatwarning = self._formatwarning
         if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
             signal.signal(signal.SIGTERM, self._sigterm)   # a second SIGTERM ends it at once
         written = True
@@ -176,12 +207,39 @@ class Session:
                     print(f"lmsrt: could not write the stats to {path} ({e}); give --stats a "
                           "path on a file system with room, that nothing else writes.",
                           file=sys.stderr)
-            if self.rank == 0 and self.lms.enabled:
+            if self.rank == 0 and self.lms.enabled and self.summary != "off":
                 sys.stdout.flush()
-                print(self.lms.summary(), file=sys.stderr, flush=True)
+                print(self._summary(failed), file=sys.stderr, flush=True)
         finally:
             self.lms.close()
         return written
+
+    def _summary(self, failed: bool) -> str:
+        data = self.stats()
+        if self.summary == "on" or (moved(data) and not failed):
+            return format_summary(data)
+        why = "after the script's error" if failed else "nothing was swapped or rebuilt"
+        return (f"{format_brief(data)}; {why}, so no table (lmsrt run --summary prints it, "
+                "--quiet not even this line)")
+
+
+def _saved_any(step: Mapping[str, object]) -> bool:
+    """Whether a step's counters show a tensor saved for backward while LMS was on."""
+    return any(step[k] for k in ("out_tensors", "kept_tensors", "skipped_tensors",
+                                 "live_tensors", "recipe_tensors"))
+
+
+def _plain_lmsrt_warnings() -> Callable:
+    """Make lmsrt's own warnings print as their one line; return the formatter to put back."""
+    original = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if str(message).startswith("lmsrt:"):
+            return f"{message}\n"
+        return original(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    return original
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:
@@ -219,12 +277,14 @@ def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[fl
 
 
 def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optional[dict] = None,
-          stats_path: Optional[str] = None, gpu_limit_gb: Optional[float] = None) -> Session:
+          stats_path: Optional[str] = None, gpu_limit_gb: Optional[float] = None,
+          summary: Optional[str] = None) -> Session:
     """Cap the GPU, enable LMS on this thread for good, and return the session to ``finish()``.
 
-    Arguments left None come from ``environ`` (``LMSRT_STATS``, ``LMSRT_GPU_LIMIT_GB``, and the
-    LMS settings through ``LMS.from_env``). The device is ``LMSRT_DEVICE`` if set, else
-    ``cuda:LOCAL_RANK`` under torchrun (made the current device), else the current CUDA device.
+    Arguments left None come from ``environ`` (``LMSRT_STATS``, ``LMSRT_GPU_LIMIT_GB``,
+    ``LMSRT_SUMMARY``, and the LMS settings through ``LMS.from_env``). The device is
+    ``LMSRT_DEVICE`` if set, else ``cuda:LOCAL_RANK`` under torchrun (made the current device),
+    else the current CUDA device.
     Raises ValueError, before anything starts, for a bad setting or a stats file that cannot be
     written.
 
@@ -232,12 +292,26 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
 
         session = start(lms_overrides={"lms": 1000, "lms_frac": 0.5}, stats_path="s.json")
     """
+    original = _plain_lmsrt_warnings()
+    try:
+        session = _session(os.environ if environ is None else environ, lms_overrides,
+                           stats_path, gpu_limit_gb, summary)
+    except BaseException:
+        warnings.formatwarning = original
+        raise
+    session._formatwarning = original
+    return session.start()
+
+
+def _session(environ: Mapping[str, str], lms_overrides: Optional[dict],
+             stats_path: Optional[str], gpu_limit_gb: Optional[float],
+             summary: Optional[str]) -> Session:
     import torch
 
     from ..lms import LMS
 
-    environ = os.environ if environ is None else environ
     max_steps = _max_steps(environ)
+    summary = summary or _summary_mode(environ)
     rank = int(environ.get("RANK", 0) or 0)
     stats_path = stats_path or environ.get(ENV_STATS) or None
     if stats_path:
@@ -262,10 +336,9 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
         fraction = check_gpu_limit(gpu_limit_gb, index)
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, index)
-    lms = LMS.from_env(**overrides)
-    session = Session(lms, stats_path=stats_path, rank=rank,
-                      world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps)
-    return session.start()
+    return Session(LMS.from_env(**overrides), stats_path=stats_path, rank=rank,
+                   world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps,
+                   summary=summary)
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None,
@@ -279,6 +352,15 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     LMSConfig.from_env(environ, **(lms_overrides or {}))
     _max_steps(environ)
     _env_gpu_limit(environ)
+    _summary_mode(environ)
+
+
+def _summary_mode(environ: Mapping[str, str]) -> str:
+    raw = environ.get(ENV_SUMMARY) or "auto"
+    if raw not in SUMMARY_MODES:
+        raise ValueError(f"{ENV_SUMMARY}={raw!r} is not one of {', '.join(SUMMARY_MODES)}; set "
+                         f"it to e.g. {ENV_SUMMARY}=off, or unset it")
+    return raw
 
 
 def _env_gpu_limit(environ: Mapping[str, str]) -> Optional[float]:

@@ -26,9 +26,22 @@ memory: about 5 trials instead of 21. Then it tries every ``lms`` value at that 
 leaves headroom for allocator slack and cuDNN workspaces and is sometimes faster. When even the
 lowest fraction runs out of memory, every ``lms`` is tried there: a smaller one swaps more. A
 crash or a timeout during the bisection ends the search for that parameter value: it says nothing
-about memory, and more trials would fail the same way. The grid search runs every fraction at
+about memory, and more trials would fail the same way; the same crash in two trials ends the whole
+sweep (the script is broken, whatever the settings). The grid search runs every fraction at
 every ``lms``, auto and then the lowest fraction first, and skips the fractions above one that
 ran out of memory (they would too).
+
+NOTE [ Timing noise ]
+A trial is timed by its step times after the warm-up (at least ``MIN_TIMED`` of them, else it is
+not compared), and its spread is half their interquartile range over the median. One trial is
+measurably faster than another only when its median is more than ``TIE`` faster and its slow
+quartile is faster than the other's fast quartile (``faster``). When the fastest trial of a search
+and a rival are apart by more than ``TIE`` but not measurably, both run again with twice the
+steps, up to ``WIDEN_ROUNDS`` times, their new step times joining the old ones; the rival is auto
+when the fastest is a fixed setting (that is the claim the summary makes), else the slowest trial
+within the fastest's spread. What is still within noise after that is said to be: no
+recommendation when no trial is measurably slower than the fastest, and no "fixed beats auto"
+unless it does measurably.
 """
 from __future__ import annotations
 
@@ -40,6 +53,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -48,15 +62,21 @@ from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple, U
 from ..options import AUTO, OPTIONS, format_setting, spelled
 from ..units import GiB, MiB
 from .output import check_output_dir, check_output_file, write_atomic
+from .session import WARMUP_STEPS
 
 __all__ = ["Trial", "Sweep", "BISECT_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
-           "grid_search", "classify", "with_param", "pareto_front", "best_trial", "compare_auto",
+           "grid_search", "classify", "with_param", "pareto_front", "best_trial", "recommend",
+           "faster", "compare_auto", "MIN_TIMED", "MIN_STEPS", "RESULTS_SCHEMA",
            "run_command", "check_out_dir", "write_results", "write_plot"]
 
 BISECT_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
 GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))      # --grid without a list: 0, 0.1, ..., 1
 REFERENCE_LMS = 1000.0
 TIE = 0.01   # step rates within 1% are timing noise: the trial with less GPU memory wins
+MIN_TIMED = 3      # step times after warm-up that a trial needs to be compared (NOTE [ Timing noise ])
+MIN_STEPS = WARMUP_STEPS + MIN_TIMED + 1   # --steps that gives them (the last step is not timed)
+WIDEN_ROUNDS = 2   # reruns, each with twice the steps, of two trials within each other's spread
+RESULTS_SCHEMA = 1  # the layout of results.json; raised when a field changes meaning or goes
 
 _OOM = re.compile(r"out of (GPU )?memory|OutOfMemoryError", re.IGNORECASE)
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
@@ -77,6 +97,8 @@ class Trial:
 
     ``status`` is ``ok`` (the script ended with status 0, or was ended after ``steps`` steps),
     ``oom``, ``crash`` or ``timeout``; ``error`` is the line that says why, or a note on an ok one.
+    ``step_times_s`` are the timed steps after warm-up (a repeat's join them), ``spread`` half
+    their interquartile range over the median; ``repeat_of`` is the trial a repeat times again.
     """
 
     id: int
@@ -94,16 +116,47 @@ class Trial:
     gpu_peak_bytes: Optional[int] = None
     host_peak_bytes: Optional[int] = None
     swapped_bytes: Optional[int] = None
+    steps_asked: Optional[int] = None
+    step_times_s: List[float] = dataclasses.field(default_factory=list)
+    spread: Optional[float] = None
+    repeat_of: Optional[int] = None
 
     @property
     def ranked(self) -> bool:
-        """Whether the trial competes for the recommendation: it ran, and was timed."""
-        return self.status == "ok" and self.steps_per_s is not None
+        """Whether the trial competes for the recommendation: it ran, and was timed (a repeat's
+        times count for the trial it repeats)."""
+        return self.status == "ok" and self.steps_per_s is not None and self.repeat_of is None
 
     @property
     def auto(self) -> bool:
         """Whether the engine chose the fraction (``lms_frac="auto"``)."""
         return self.lms_frac == AUTO
+
+    def set_times(self, times: Sequence[float]) -> None:
+        """Time the trial by ``times`` (seconds of steps after warm-up, at least two)."""
+        self.step_times_s = list(times)
+        self.step_time_s = statistics.median(times)
+        self.steps_per_s = 1.0 / self.step_time_s
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+        self.spread = (q3 - q1) / 2 / self.step_time_s
+
+    def rates(self) -> Tuple[float, float]:
+        """Steps/s at its slow and its fast quartile (the median both, without step times)."""
+        if len(self.step_times_s) < 2:
+            return self.steps_per_s, self.steps_per_s
+        q1, _, q3 = statistics.quantiles(self.step_times_s, n=4, method="inclusive")
+        return 1.0 / q3, 1.0 / q1
+
+
+def faster(a: Trial, b: Trial) -> bool:
+    """Whether timed trial ``a`` is measurably faster than ``b``: its median more than ``TIE``
+    faster, and its slow quartile faster than ``b``'s fast one (NOTE [ Timing noise ])."""
+    return a.steps_per_s > b.steps_per_s * (1 + TIE) and a.rates()[0] > b.rates()[1]
+
+
+def spread_text(t: Trial) -> str:
+    """``'±4%'``: half the trial's interquartile range over its median; empty if unknown."""
+    return "" if t.spread is None else f"±{t.spread:.0%}"
 
 
 def reference_lms(lms_values: Sequence[float]) -> float:
@@ -245,17 +298,21 @@ def _read_stats(trial: Trial, path: str, steps: int) -> None:
         return
     total, last = data["total"], data["last_step"]
     trial.steps = total["steps"]
-    trial.step_time_s = data["step_time_median_s"]
-    trial.steps_per_s = 1.0 / trial.step_time_s if trial.step_time_s else None
     trial.gpu_peak_bytes = total["gpu_peak_bytes"]
     trial.host_peak_bytes = total["host_peak_bytes"]
     trial.swapped_bytes = last["out_bytes"]
+    timed = data["step_times_s"][WARMUP_STEPS:]
     if not data["enabled"]:
         trial.error = f"LMS was off: no GPU ({spelled('device', 'sim')} simulates one)"
-    elif trial.step_time_s is None:
-        trial.error = "fewer than 2 steps, so no step time: let the script run more steps"
-    elif trial.steps < steps:
-        trial.error = f"the script ended by itself after {trial.steps} of {steps} steps"
+    elif len(timed) < MIN_TIMED:
+        more = (f"give the script more than {steps} steps" if trial.steps < steps else
+                f"give --steps {MIN_STEPS} or more")
+        trial.error = (f"{len(timed)} timed steps after {WARMUP_STEPS} warm-up ones (it ran "
+                       f"{trial.steps} of {steps}): too few to compare, so not ranked; {more}")
+    else:
+        trial.set_times(timed)
+        if trial.steps < steps:
+            trial.error = f"the script ended by itself after {trial.steps} of {steps} steps"
 
 
 def check_out_dir(out_dir: str) -> None:
@@ -298,6 +355,8 @@ class Sweep:
         self.out_dir = out_dir
         self.log_dir = os.path.join(out_dir, "trials")
         self.trials: List[Trial] = []
+        # (first trial, second trial, error) when two trials crashed the same way: the sweep stops
+        self.broken: Optional[Tuple[int, int, str]] = None
 
     def combinations(self) -> List[Dict[str, str]]:
         """Every combination of the ``--param`` values, in the order given."""
@@ -327,14 +386,48 @@ class Sweep:
                 except StopIteration:
                     break
                 trial = Trial(len(self.trials) + 1, lms, frac, params, args)
-                on_start(trial)
-                self._run_trial(trial, lambda seconds: on_tick(trial, seconds))
-                self.trials.append(trial)
+                self._run(trial, self.steps, on_start, on_tick)
                 on_done(trial)
+                if self.broken:
+                    return self.trials
                 finished = trial
+            self._widen(params, on_start, on_tick, on_done)
+            if self.broken:
+                return self.trials
         return self.trials
 
-    def _run_trial(self, trial: Trial, tick: Callable[[float], None]) -> None:
+    def _run(self, trial: Trial, steps: int, on_start, on_tick) -> None:
+        on_start(trial)
+        self._run_trial(trial, lambda seconds: on_tick(trial, seconds), steps)
+        self.trials.append(trial)
+        if trial.status == "crash":
+            same = next((t for t in self.trials[:-1]
+                         if t.status == "crash" and t.error == trial.error), None)
+            if same is not None:
+                self.broken = (same.id, trial.id, trial.error)
+
+    def _widen(self, params: Dict[str, str], on_start, on_tick, on_done) -> None:
+        """Run two trials within each other's spread again, with twice the steps, until one is
+        measurably faster or ``WIDEN_ROUNDS`` are spent (NOTE [ Timing noise ])."""
+        for round_ in range(1, WIDEN_ROUNDS + 1):
+            pair = _undecided([t for t in self.trials if t.params == params and t.ranked])
+            if pair is None:
+                return
+            steps = self.steps * 2 ** round_
+            for original in pair:
+                repeat = Trial(len(self.trials) + 1, original.lms, original.lms_frac, params,
+                               original.args, repeat_of=original.id)
+                self._run(repeat, steps, on_start, on_tick)
+                timed = repeat.status == "ok" and repeat.step_times_s
+                if timed:
+                    original.set_times(original.step_times_s + repeat.step_times_s)
+                    repeat.error = (f"repeat of trial {original.id} with {steps} steps: its step "
+                                    f"times join that trial's ({spread_text(original)} now)")
+                on_done(repeat)
+                if self.broken or not timed:
+                    return       # it did not time again: the first timing stands
+
+    def _run_trial(self, trial: Trial, tick: Callable[[float], None], steps: int) -> None:
         base = os.path.join(self.log_dir, f"{trial.id:03d}")
         stats = f"{base}.stats.json"
         command = [sys.executable, "-m", "lmsrt", "run",
@@ -342,7 +435,8 @@ class Sweep:
                    self.script, *trial.args]
         # The settings go in the environment too, so the script can tell which trial it is in;
         # unbuffered, so the log of a trial killed at the timeout holds all it printed.
-        env = dict(os.environ, LMSRT_MAX_STEPS=str(self.steps), PYTHONUNBUFFERED="1")
+        trial.steps_asked = steps
+        env = dict(os.environ, LMSRT_MAX_STEPS=str(steps), PYTHONUNBUFFERED="1")
         env[OPTIONS["lms"].env] = format_setting(trial.lms)
         env[OPTIONS["lms_frac"].env] = format_setting(trial.lms_frac)
         start = time.monotonic()
@@ -370,7 +464,7 @@ class Sweep:
         trial.status, trial.error = classify(proc.returncode, _tail(f"{base}.out"),
                                              _tail(f"{base}.err"))
         if trial.status == "ok":
-            _read_stats(trial, stats, self.steps)
+            _read_stats(trial, stats, steps)
 
 
 def pareto_front(trials: Sequence[Trial]) -> List[int]:
@@ -387,13 +481,37 @@ def pareto_front(trials: Sequence[Trial]) -> List[int]:
 
 
 def best_trial(trials: Sequence[Trial]) -> Optional[Trial]:
-    """The fastest timed trial; among those within 1% of it (noise), the one with least memory."""
+    """The fastest timed trial; among those not measurably slower (``faster``), the one with
+    least memory."""
     ranked = [t for t in trials if t.ranked]
     if not ranked:
         return None
-    fastest = max(t.steps_per_s for t in ranked)
-    close = [t for t in ranked if t.steps_per_s >= fastest * (1 - TIE)]
+    fastest = _fastest(ranked)
+    close = [t for t in ranked if not faster(fastest, t)]
     return min(close, key=lambda t: (t.gpu_peak_bytes, -t.steps_per_s, t.id))
+
+
+def recommend(trials: Sequence[Trial]) -> Optional[Trial]:
+    """``best_trial``, unless no timed trial is measurably slower than the fastest: then no
+    setting is measurably faster, and nothing is recommended (None)."""
+    ranked = [t for t in trials if t.ranked]
+    if len(ranked) > 1 and not any(faster(_fastest(ranked), t) for t in ranked):
+        return None
+    return best_trial(ranked)
+
+
+def _undecided(ranked: Sequence[Trial]) -> Optional[Tuple[Trial, Trial]]:
+    """The fastest trial and a rival more than ``TIE`` slower by median but not measurably; None
+    if there is none (NOTE [ Timing noise ])."""
+    if not ranked:
+        return None
+    fastest = _fastest(ranked)
+    rivals = [t for t in ranked if t is not fastest and not faster(fastest, t)
+              and fastest.steps_per_s > t.steps_per_s * (1 + TIE)]
+    autos = [t for t in rivals if t.auto]
+    if autos and not fastest.auto:
+        return fastest, _fastest(autos)
+    return (fastest, min(rivals, key=lambda t: (t.steps_per_s, t.id))) if rivals else None
 
 
 def _fastest(trials: Sequence[Trial]) -> Optional[Trial]:
@@ -404,7 +522,8 @@ def _fastest(trials: Sequence[Trial]) -> Optional[Trial]:
 def compare_auto(trials: Sequence[Trial]) -> Optional[Dict[str, object]]:
     """Whether a fixed ``lms_frac`` beats auto among ``trials`` (of one parameter combination),
     and by how much: the fastest auto trial against the fastest fixed one; None without auto
-    trials. A fixed setting beats auto only when more than 1% faster (timing noise, ``TIE``).
+    trials. A fixed setting beats auto only when measurably faster (``faster``: more than 1%,
+    and beyond both trials' spread).
 
     Example::
 
@@ -417,7 +536,8 @@ def compare_auto(trials: Sequence[Trial]) -> Optional[Dict[str, object]]:
         return None
     fixed = [t for t in trials if not t.auto]
     auto, best = _fastest(autos), _fastest(fixed)
-    faster = (best.steps_per_s / auto.steps_per_s - 1) if auto and best else None
+    gain = (best.steps_per_s / auto.steps_per_s - 1) if auto and best else None
+    beats = gain is not None and faster(best, auto)
     if best:
         named = f"lms {best.lms:g}, lms_frac {format_setting(best.lms_frac)}"
     if auto is None:
@@ -432,37 +552,58 @@ def compare_auto(trials: Sequence[Trial]) -> Optional[Dict[str, object]]:
         if best is None:
             summary += ("no fixed setting was tried" if not fixed else
                         "no fixed setting ran to a step time")
-        elif faster > TIE:
-            summary += f"the fastest fixed setting ({named}) is {faster:.0%} faster"
-        elif faster >= -TIE:
+        elif beats:
+            summary += (f"the fastest fixed setting ({named}) is {gain:.0%} faster (spread: auto "
+                        f"{spread_text(auto)}, it {spread_text(best)})")
+        elif gain > TIE:
+            summary += (f"no fixed setting is measurably faster: the fastest fixed setting "
+                        f"({named}) ran {gain:.0%} faster by its median, within the trials' "
+                        f"spread (auto {spread_text(auto)}, it {spread_text(best)})")
+        elif gain >= -TIE:
             summary += (f"no fixed setting beats auto (the fastest fixed setting, {named}, is "
                         "within 1%, timing noise)")
-        else:
+        elif faster(auto, best):
             summary += (f"no fixed setting beats auto (the fastest fixed setting, {named}, is "
-                        f"{-faster:.0%} slower)")
+                        f"{-gain:.0%} slower)")
+        else:
+            summary += (f"no fixed setting beats auto (the fastest fixed setting, {named}, ran "
+                        f"{-gain:.0%} slower by its median, within the trials' spread: auto "
+                        f"{spread_text(auto)}, it {spread_text(best)})")
     return {"auto_id": auto and auto.id, "fixed_id": best and best.id,
-            "fixed_faster": faster, "fixed_beats_auto": faster is not None and faster > TIE,
-            "summary": summary}
+            "fixed_faster": gain, "fixed_beats_auto": beats, "summary": summary}
+
+
+def _provenance() -> Dict[str, object]:
+    """What ran the trials: lmsrt, torch and CUDA versions and the GPU (None without one)."""
+    import torch
+
+    from .. import __version__
+
+    return {"lmsrt_version": __version__, "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def _best_per_params(sweep: Sweep) -> List[Trial]:
-    bests = (best_trial([t for t in sweep.trials if t.params == p]) for p in sweep.combinations())
+    bests = (recommend([t for t in sweep.trials if t.params == p]) for p in sweep.combinations())
     return [t for t in bests if t is not None]
 
 
 def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
     """Write ``results.json`` and ``results.csv`` into ``sweep.out_dir``; return their paths."""
     front = set(pareto_front(sweep.trials))
-    best = best_trial(sweep.trials)
+    best = recommend(sweep.trials)
 
     def command(t: Optional[Trial]) -> Optional[str]:
         return run_command(t, sweep.script, sweep.gpu_limit) if t else None
 
     data = {
+        **_provenance(), "schema": RESULTS_SCHEMA,
         "script": sweep.script, "args": sweep.args, "steps": sweep.steps,
         "gpu_limit_gib": sweep.gpu_limit, "timeout_s": sweep.timeout,
         "search": "grid" if sweep.grid else "bisect", "lms": sweep.lms_values,
         "lms_frac": sweep.fracs, "params": dict(sweep.params), "interrupted": interrupted,
+        "broken": sweep.broken and dict(zip(("first_id", "second_id", "error"), sweep.broken)),
         "recommended": best and {"id": best.id, "command": command(best)},
         "best_per_params": [{"params": t.params, "id": t.id, "command": command(t)}
                             for t in _best_per_params(sweep)],
@@ -479,12 +620,12 @@ def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
 
     def rows(f) -> None:
         w = csv.writer(f)
-        w.writerow(["id", *names, "lms", "lms_frac", "status", "steps_per_s", "step_time_s",
-                    "gpu_peak_bytes", "host_peak_bytes", "swapped_bytes", "steps", "wall_s",
+        w.writerow(["id", *names, "lms", "lms_frac", "status", "steps_per_s", "spread",
+                    "step_time_s", "gpu_peak_bytes", "host_peak_bytes", "swapped_bytes", "steps", "wall_s",
                     "pareto", "recommended", "error", "command"])
         for t in sweep.trials:
             numbers = (t.steps_per_s and f"{t.steps_per_s:.4f}",
-                       t.step_time_s and f"{t.step_time_s:.5f}", t.gpu_peak_bytes,
+                       None if t.spread is None else f"{t.spread:.4f}", t.step_time_s and f"{t.step_time_s:.5f}", t.gpu_peak_bytes,
                        t.host_peak_bytes, t.swapped_bytes, t.steps)
             w.writerow([t.id, *(t.params[n] for n in names), f"{t.lms:g}",
                         format_setting(t.lms_frac),
@@ -509,7 +650,7 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
     ranked = [t for t in sweep.trials if t.ranked]
     if not ranked:
         return "no trial was timed, so no plot"
-    front, best = set(pareto_front(ranked)), best_trial(ranked)
+    front, best = set(pareto_front(ranked)), recommend(ranked)
     unit, scale = ("GiB", GiB) if max(t.gpu_peak_bytes for t in ranked) >= GiB else ("MiB", MiB)
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
@@ -534,8 +675,9 @@ def write_plot(sweep: Sweep, path: str) -> Optional[str]:
         ax.scatter([t.gpu_peak_bytes / scale for t in autos], [t.steps_per_s for t in autos],
                    marker="D", s=110, facecolors="none", edgecolors="tab:red",
                    label="lms_frac auto", zorder=4)
-    ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
-               facecolors="none", edgecolors="black", label="recommended", zorder=4)
+    if best is not None:
+        ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
+                   facecolors="none", edgecolors="black", label="recommended", zorder=4)
     ax.set_xlabel(f"peak GPU memory ({unit})")
     ax.set_ylabel("steps/s")
     ax.set_title(f"lmsrt tune: {os.path.basename(sweep.script)} (labels: lms/lms_frac)")

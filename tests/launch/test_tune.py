@@ -242,7 +242,7 @@ def test_compare_auto(trials, summary, beats):
 
 def fake_trials(monkeypatch, speeds):
     """Trials that do not run: ``speeds[(lms, frac)]`` steps/s, or their status."""
-    def run_trial(sweep, trial, tick):
+    def run_trial(sweep, trial, tick, steps):
         outcome = speeds[(trial.lms, trial.lms_frac)]
         if isinstance(outcome, str):
             trial.status, trial.error = outcome, f"{outcome} at {trial.lms_frac}"
@@ -327,39 +327,43 @@ def test_outputs_of_made_up_trials(tmp_path, monkeypatch):
 
 def test_bisection_sweep_end_to_end(tmp_path):
     train, out = script(tmp_path, OOM_ABOVE_0_6), tmp_path / "out"
-    result = tune("--lms", "1,4", "--lms-frac", "0,0.25,0.5,0.75,1", "--steps", "4",
+    result = tune("--lms", "1,4", "--lms-frac", "0,0.25,0.5,0.75,1", "--steps", "6",
                   "--out", str(out), "--", train, "--epochs", "1")
     assert result.exit_code == 0
     data = load(out)
-    assert settings(data) == [(1, 0.5, "ok"), (1, 0.75, "oom"), (4, 0.5, "ok"),
-                              (1, 0.25, "ok"), (4, 0.25, "ok")]
-    ok = [t for t in data["trials"] if t["status"] == "ok"]
-    assert all(t["steps"] == 4 and t["steps_per_s"] > 0 and t["gpu_peak_bytes"] > 0
+    searched = [t for t in data["trials"] if t["repeat_of"] is None]   # not the longer repeats
+    assert [(t["lms"], t["lms_frac"], t["status"]) for t in searched] == [
+        (1, 0.5, "ok"), (1, 0.75, "oom"), (4, 0.5, "ok"), (1, 0.25, "ok"), (4, 0.25, "ok")]
+    ok = [t for t in searched if t["status"] == "ok"]
+    assert all(t["steps"] == 6 and t["steps_per_s"] > 0 and t["gpu_peak_bytes"] > 0
                and t["swapped_bytes"] is not None and t["host_peak_bytes"] is not None for t in ok)
     oom = data["trials"][1]
     assert "OutOfMemoryError" in oom["error"] and oom["steps_per_s"] is None
-    best = next(t for t in ok if t["id"] == data["recommended"]["id"])
-    command = data["recommended"]["command"]
-    assert command == (f"lmsrt run --lms {best['lms']:g} --lms-frac {best['lms_frac']:g} "
-                       f"{train} --epochs 1")
-    assert result.output.rstrip().endswith(command)                 # the last line printed
+    if data["recommended"] is None:   # the simulated device: often all alike, within noise
+        assert "No setting is measurably faster" in result.output
+    else:
+        best = next(t for t in ok if t["id"] == data["recommended"]["id"])
+        command = data["recommended"]["command"]
+        assert command == (f"lmsrt run --lms {best['lms']:g} --lms-frac {best['lms_frac']:g} "
+                           f"{train} --epochs 1")
+        assert result.output.rstrip().endswith(command)             # the last line printed
     assert "trial 5: lms=4 lms_frac=0.25" in result.output           # progress, then the table
-    assert len(list(csv.DictReader(open(out / "results.csv")))) == 5
+    assert len(list(csv.DictReader(open(out / "results.csv")))) == len(data["trials"])
     assert (out / "tune.png").exists() or "pip install matplotlib" in result.output
     # The trial's logs: what the script printed, and the stats of lmsrt run.
     assert (out / "trials" / "001.out").read_text().startswith("ARGV=--epochs 1")
-    assert json.loads((out / "trials" / "001.stats.json").read_text())["total"]["steps"] == 4
+    assert json.loads((out / "trials" / "001.stats.json").read_text())["total"]["steps"] == 6
 
 
 def test_every_way_a_trial_ends(tmp_path):
     out = tmp_path / "out"
-    result = tune("--grid", "--lms", "1,2", "--lms-frac", "0,0.5", "--steps", "3",
+    result = tune("--grid", "--lms", "1,2", "--lms-frac", "0,0.5", "--steps", "6",
                   "--timeout", "60", "--out", str(out), script(tmp_path, EVERY_ENDING))
     assert result.exit_code == 0
     trials = load(out)["trials"]
     assert [(t["lms"], t["lms_frac"], t["status"]) for t in trials] == [
         (1, 0, "ok"), (1, 0.5, "oom"), (2, 0, "crash"), (2, 0.5, "oom")]
-    assert trials[0]["steps"] == 3 and trials[0]["error"] == ""
+    assert trials[0]["steps"] == 6 and trials[0]["error"] == ""
     assert trials[1]["error"].startswith("torch.OutOfMemoryError: CUDA out of memory")
     assert trials[2]["error"] == "ValueError: boom at lms 2" and trials[2]["returncode"] == 1
     assert trials[3]["error"] == "step 0: CUDA out of memory, caught by the script"
@@ -372,7 +376,7 @@ def test_timeout_kills_the_trial_and_what_it_started(tmp_path):
     result = tune("--grid", "--lms", "1", "--lms-frac", "0.5", "--timeout", "6",
                   "--out", str(out), script(tmp_path, HANG_ABOVE_0))
     assert result.exit_code == 1                               # no trial ran to a step time
-    assert "No trial ran 8 steps" in result.output
+    assert "No trial was timed" in result.output and "memory" not in result.output
     [trial] = load(out)["trials"]
     assert trial["status"] == "timeout" and "--timeout 6 s" in trial["error"]
     assert 6 <= trial["wall_s"] < 16 and time.monotonic() - start < 40
@@ -381,7 +385,7 @@ def test_timeout_kills_the_trial_and_what_it_started(tmp_path):
 
 def test_param_sweep_substitutes_the_scripts_flag(tmp_path):
     out = tmp_path / "out"
-    result = tune("--grid", "--lms", "1", "--lms-frac", "0", "--steps", "3", "--param",
+    result = tune("--grid", "--lms", "1", "--lms-frac", "0", "--steps", "6", "--param",
                   "batch-size=2,4", "--out", str(out), "--",
                   script(tmp_path, ""), "--batch-size", "9", "--lr", "1")
     assert result.exit_code == 0
@@ -399,7 +403,7 @@ def test_ctrl_c_keeps_the_finished_trials(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmsrt", "tune", "--grid", "--lms", "1", "--lms-frac", "0,0.5,1",
-         "--steps", "3", "--out", str(out), script(tmp_path, HANG_ABOVE_0)],
+         "--steps", "6", "--out", str(out), script(tmp_path, HANG_ABOVE_0)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     pid_file = tmp_path / "sleeper0.5.pid"
     deadline = time.monotonic() + 60
