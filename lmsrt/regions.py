@@ -223,9 +223,23 @@ class _Frame:
         tensor = self.saved.get(index)
         if tensor is not None:
             return tensor
+        if torch.is_grad_enabled():
+            # A backward that builds a graph of its own (create_graph=True) would need the
+            # recomputed tensors' history, which the rerun does not keep.
+            raise RuntimeError(
+                f"lmsrt: region {self.region.name} was recomputed, and a backward with "
+                "create_graph=True (double backward) cannot use recomputed tensors. Turn "
+                f"recompute off for such models (recompute=False, {spelled('recompute', False)}).")
         if self.again is None or index not in self.again:
             self.regions.recompute(self)
-        return self.again.pop(index)
+        tensor = self.again.pop(index, None)
+        if tensor is None:
+            raise RuntimeError(
+                f"lmsrt: recomputing region {self.region.name} saved fewer tensors than its "
+                "forward did: its forward does not repeat itself (control flow on data or on "
+                f"global state). Turn recompute off (recompute=False, "
+                f"{spelled('recompute', False)}).")
+        return tensor
 
 
 def _is_parameter(t: torch.Tensor) -> bool:

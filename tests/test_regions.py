@@ -263,3 +263,14 @@ def test_the_fastest_of_the_ways_tried_holds(monkeypatch):
     assert stats["phase"] == "planned" and [n for n, _ in stats["tried"]] == [4, 2, 3]
     fastest = min(stats["tried"], key=lambda t: t[1])[0]
     assert stats["planned"] == stats["recomputed"] == fastest
+
+
+def test_double_backward_through_a_recomputed_region_says_what_to_do():
+    torch.manual_seed(0)
+    model, x = Stack(32, 4), torch.randn(4, 16, 32)
+    lms = _lms("sim")
+    _train(model, x, 3, lms)            # regions recomputed from step 2
+    with lms:
+        loss = model(x).square().mean()
+    with pytest.raises(RuntimeError, match="create_graph=True.*recompute=False"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
