@@ -302,7 +302,7 @@ class Regions:
         self._starts: dict = {}         # step -> its start mark, while steps are compared
         self._check_at = 0
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
-        self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> (R, start)
+        self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # first module -> region
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()
         self._scanned_children: "weakref.WeakSet" = weakref.WeakSet()   # of mixed Sequentials
         self._mixed: list = []          # (name, Sequential) of mixed classes, grouped after step 1
@@ -362,7 +362,7 @@ class Regions:
                 continue
             for i in repeated:
                 region = _Region(f"{label}[{i}]", (children[i],), False)
-                self._of[children[i]] = (region, 0)
+                self._of[children[i]] = region
 
     def _group(self) -> None:
         """Rule 1: stages of the Sequentials of mixed classes, from step 1's output sizes."""
@@ -381,7 +381,7 @@ class Regions:
                 starts.append(min(sizes, key=lambda p: (sizes[p], -p)))
             for a, b in zip(starts, starts[1:] + [len(children)]):
                 region = _Region(f"{label}[{a}:{b}]", tuple(children[a:b]), True)
-                self._of[children[a]] = (region, 0)
+                self._of[children[a]] = region
         self._mixed = []
         self._scanned_children = weakref.WeakSet()
 
@@ -397,10 +397,9 @@ class Regions:
             return None
         if module not in self._scanned:
             self._scan(module)
-        found = self._of.get(module)
-        if found is None or self.phase == "survey":
+        region = self._of.get(module)
+        if region is None or self.phase == "survey":
             return None
-        region = found[0]
         if not (region.usable and (region.chosen or self._all)):
             return None
         frame = _Frame(self, region, args, self.hooks)
@@ -525,7 +524,7 @@ class Regions:
                        + step1.recipe_bytes)
         self._excess = max(0, step1.gpu_peak_bytes + self._saved - self.engine.mark)
         self._rebuilt = step1.recipe_bytes
-        found = len({r for r, _ in self._of.values()})
+        found = len(set(self._of.values()))
         if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
             self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
                        f"bound is left to the swaps")
@@ -615,7 +614,7 @@ class Regions:
         """The step in flight's regions, for ``LMS.stats()["regions"]``: region calls recomputed
         (their saved tensors dropped in forward) and kept, the bytes dropped, and the GPU time
         of the recomputes in backward that have finished."""
-        return dict(regions=len(self.order) or len({r for r, _ in self._of.values()}),
+        return dict(regions=len(self.order) or len(set(self._of.values())),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
                     figures=self.figures and dataclasses.asdict(self.figures),
                     tried=[(len(c), t) for t, c in self._tried],
