@@ -302,7 +302,8 @@ class Regions:
         self._starts: dict = {}         # step -> its start mark, while steps are compared
         self._check_at = 0
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
-        self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # first module -> region
+        # A region's first module -> the region.
+        self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._scanned: "weakref.WeakSet" = weakref.WeakSet()
         self._scanned_children: "weakref.WeakSet" = weakref.WeakSet()   # of mixed Sequentials
         self._mixed: list = []          # (name, Sequential) of mixed classes, grouped after step 1
