@@ -14,7 +14,11 @@ that fits (OOM is monotone in lms_frac), or with --search fastest the fastest of
 The word auto in --fracs adds a row of its own at every cap: lmsrt with lms_frac="auto" (a version
 of lmsrt that refuses it gets the outcome "unsupported"). --recompute both runs every lmsrt row
 again with recompute=True (method "lmsrt+rb": cheap saved tensors rebuilt in backward, not moved),
-and prints each against its twin.
+and prints each against its twin. --compile compiles the workload's model as a user would,
+``torch.compile(model)`` (the loss and optimizer stay eager); under lmsrt that model is compiled
+block by block (lmsrt/compiled.py). Compare with a run without --compile for the eager rows.
+--memory-budget B sets torch._functorch.config.activation_memory_budget (the compiled graphs'
+recompute budget, a fraction of what they would save) in every method, as a user would.
 
 The method ckpt is activation checkpointing as a user writes it (torch.utils.checkpoint,
 use_reentrant=False): one checkpoint per block of the transformer stacks (gpt, gptbig, lm), and
@@ -123,17 +127,24 @@ def checkpointed(work, segments: int) -> None:
 
 
 def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int,
-          recompute: bool = False) -> dict:
+          recompute: bool = False, compiled: bool = False,
+          memory_budget: Optional[float] = None) -> dict:
     """One method at one cap; ``frac`` is a number or "auto", passed to lmsrt as it is (ckpt:
     the number of segments of a Sequential conv net)."""
     import torch
     import lmsrt
     from workloads import build
 
+    if memory_budget is not None:
+        import torch._functorch.config
+        torch._functorch.config.activation_memory_budget = memory_budget
+
     if cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap_gib * GiB / total)
     work = build(workload)
+    if compiled:
+        work.model = torch.compile(work.model)
     lms = None
     if method == "lmsrt":
         try:
@@ -202,7 +213,9 @@ def run_child(args, workload: str, method: str, cap: float, frac=0.0,
     # thing for all of them (and it is what README recommends to lmsrt users).
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     cmd = [sys.executable, os.path.abspath(__file__), "--child",
-           f"{workload}:{method}:{cap}:{frac}:{int(recompute)}", "--steps", str(args.steps),
+           f"{workload}:{method}:{cap}:{frac}:{int(recompute)}:{int(args.compile)}",
+           *(["--memory-budget", str(args.memory_budget)] if args.memory_budget is not None
+             else []), "--steps", str(args.steps),
            "--warmup", str(args.warmup)]
     t0 = time.time()
     try:
@@ -213,7 +226,8 @@ def run_child(args, workload: str, method: str, cap: float, frac=0.0,
     except (IndexError, json.JSONDecodeError):
         res = {"outcome": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     res.update(workload=workload, method=method, cap_gib=cap, lms_frac=frac,
-               recompute=recompute, wall_s=round(time.time() - t0, 1))
+               recompute=recompute, compiled=args.compile,
+               memory_budget=args.memory_budget, wall_s=round(time.time() - t0, 1))
     shown = f"{res['step_s']:.3f} s" if res["outcome"] == "ok" else res["outcome"]
     if "error" in res:
         shown += f": {res['error']}"
@@ -237,7 +251,8 @@ def checkpoint_row(args, workload: str, cap: float) -> dict:
 
 
 def _label(row: dict) -> str:
-    return row["method"] + ("+rb" if row.get("recompute") else "")
+    return (row["method"] + ("+rb" if row.get("recompute") else "")
+            + ("+c" if row.get("compiled") else ""))
 
 
 def floor_s(ref: dict, cap: float, rebuilt_gib: float = 0.0) -> float:
@@ -382,6 +397,10 @@ def main() -> None:
     ap.add_argument("--recompute", choices=("off", "on", "both"), default="on",
                     help="lmsrt's recompute setting (on, as lmsrt's default); both: every lmsrt "
                          "row twice")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile(model) in every method, as a training script would")
+    ap.add_argument("--memory-budget", type=float, default=None,
+                    help="torch._functorch.config.activation_memory_budget for compiled graphs")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=8, help="steps before timing (the plan settles)")
     ap.add_argument("--timeout", type=float, default=300)
@@ -389,10 +408,10 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        workload, method, cap, frac, recompute = args.child.split(":")
+        workload, method, cap, frac, recompute, compiled = args.child.split(":")
         frac = frac if frac == "auto" else float(frac)
         print(json.dumps(child(workload, method, float(cap), frac, args.steps, args.warmup,
-                               recompute == "1")))
+                               recompute == "1", compiled == "1", args.memory_budget)))
         return
     given = [float(c) for c in args.caps.split(",") if c] if args.caps else None
     fracs, auto = parse_fracs(args.fracs)

@@ -93,7 +93,10 @@ class Diagnostics:
     def compiled_region(self, frame) -> None:
         """The storage being saved comes from an autograd.Function called from ``frame``: say
         once if that Function is a torch.compile'd region (AOTAutograd's), whose saves arrive
-        only after its forward."""
+        only after its forward. Not when lmsrt split a model into regions itself: it said so."""
+        from .compiled import made_regions      # (compiled.py imports the engine, which imports us)
+        if made_regions():
+            return
         for _ in range(3):
             if frame is None:
                 return

@@ -1554,6 +1554,7 @@ class SwapEngine:
                 self._deferred.clear()
                 self._held_bytes = self._ahead = 0
                 self._order.clear()
+                self._cursor = -1                   # nothing left to prefetch
                 self._by_ptr.clear()
                 if self.memo is not None:             # the step in flight counts too
                     self.memo.saw(self.host.used_slabs())

@@ -11,7 +11,8 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from . import arena
+from . import arena, compiled
+from .compiled import hooks_aside
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
@@ -65,10 +66,7 @@ def _step_aside_where_hooks_are_disabled() -> None:
     @functools.wraps(original)
     @contextlib.contextmanager
     def disable_saved_tensors_hooks(error_message: str):
-        aside = []
-        try:
-            while (pair := pop_own_hooks()) is not None:
-                aside.append(pair)
+        with hooks_aside() as aside:
             if aside:
                 _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
                           "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
@@ -77,9 +75,6 @@ def _step_aside_where_hooks_are_disabled() -> None:
                           "(said once).")
             with original(error_message):
                 yield
-        finally:
-            for pack, unpack in reversed(aside):
-                torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
     torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
 
@@ -129,6 +124,16 @@ def _say_once(key: str, message: str) -> None:
     if key not in _said:
         _said.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _any_live() -> bool:
+    """True while an LMS that swaps is open in this process."""
+    return any(not engine.closed for engine in list(_live_engines))
+
+
+# Also at import: a model compiled whole is compiled block by block while an LMS is live, and
+# CUDA graph capture runs with lmsrt's hooks aside (compiled.py).
+compiled.install(_any_live, _say_once)
 
 
 @atexit.register
@@ -268,6 +273,13 @@ class LMS:
         engine = self._engine
         if engine.closed:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
+        if compiled.capturing():
+            # Copies and event waits would invalidate the capture (compiled.py).
+            _say_once("capture", "lmsrt: LMS entered while a CUDA graph is being captured steps "
+                      "aside: tensors saved in the captured region stay on the GPU, in the "
+                      "graph's pool (said once). Enter LMS outside the capture to swap.")
+            self._active.hooks = False
+            return self
         engine.begin_forward()
         if engine._stale_hooks:
             engine._pop_stale_hooks(threading.get_ident())

@@ -432,10 +432,17 @@ class RecipeTable(dict):
         self[key] = (ref, recipe)
 
     def sweep(self) -> None:
-        """Drop the entries of storages freed since (one atomic pop each: threads share it)."""
+        """Drop the entries of storages freed since. Threads share the queue without a lock:
+        each takes a reference by one atomic pop, and an empty queue (another thread took the
+        last one since) ends the sweep; a pop is never guarded by a check of the length. A
+        thread may drop an entry that another just noted at the same id: a lookup then finds
+        no recipe, and that storage is moved instead of rebuilt."""
         dead = self._dead
-        while dead:
-            ref = dead.popleft()
+        while True:
+            try:
+                ref = dead.popleft()
+            except IndexError:
+                return
             found = self.get(ref.key)
             if found is not None and found[0] is ref:    # not a new storage at the same id
                 self.pop(ref.key, None)
