@@ -14,6 +14,7 @@ from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
 from .options import OPTIONS, describe, spelled
+from .regions import Regions
 from .say import say_once
 from .stats import StepStats, format_summary
 
@@ -112,6 +113,7 @@ class LMS:
         self._device = resolve_device(device if device is not None else config.device)
         self._engine: Optional[SwapEngine] = None
         self._hooks = None
+        self._regions: Optional[Regions] = None
         self._active = threading.local()
         if self._device is None:
             if config.enabled:
@@ -130,6 +132,9 @@ class LMS:
             _live_engines.add(self._engine)
             # C++ hooks where the copy path is built (the engine holds them weakly).
             self._hooks = self._engine.native_hooks()
+            if config.recompute:
+                # Repeated blocks recomputed in backward where that beats moving them.
+                self._regions = Regions(self._engine, self._hooks or self._engine)
 
     @classmethod
     def from_env(cls, **overrides) -> "LMS":
@@ -217,6 +222,7 @@ class LMS:
             if self._engine and self._engine.rebuilds else {},
             "history": [s.as_dict() for s in self._engine.run_stats.history]
             if self._engine else [],
+            "regions": self._regions.stats() if self._regions else None,
         }
 
     def summary(self) -> str:
@@ -225,6 +231,8 @@ class LMS:
 
     def close(self) -> None:
         """Finish copies in flight and give back pinned memory; the LMS cannot be used after."""
+        if self._regions is not None:
+            self._regions.close()
         if self._engine is not None:
             self._engine.close()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from ..plan import OffloadPlan
+from ..policy import make_policy
 from ..stats import StepStats
 
 __all__ = ["StepBoundaries", "StepState"]      # a room of SwapEngine (core.py)
@@ -41,6 +43,11 @@ class StepBoundaries:
 
     # -- step boundaries ---------------------------------------------------------------------
 
+    def relearn(self) -> None:
+        """Plan afresh from the next step on, learning it as step 1 was: what the model saves
+        has changed (regions.py recomputes other regions). Called from a step listener."""
+        self._relearn = True
+
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step
         listeners run first, with the number of the step that begins; one may raise to stop
@@ -69,6 +76,10 @@ class StepBoundaries:
             self._forward_open = True
             if self.step.step:
                 self._finish_step()
+            if self._relearn:
+                self._relearn = False
+                self.plan = OffloadPlan()
+                self.policy = make_policy(self.config.lms_frac, self.limit, self.window)
             keeper = self._keeper and self._keeper()
             if keeper is not None:
                 keeper.backward(False)    # unpacks go to Python until forward ends

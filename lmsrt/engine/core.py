@@ -97,6 +97,7 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         self._armed = False            # they decide this step's packs (NOTE [ Steps that ... ])
         self.diagnostics = Diagnostics()   # one-time warnings, out-of-memory text
         self.step_listeners: list = []  # called with the step number as each step begins
+        self._relearn = False          # the step that begins next learns afresh (relearn)
         self.closed = False
         # An engine dropped without close() (no graph can use it then: a graph holds unpack)
         # still lets its copies finish before its pinned slabs go back (Rules 2, 8).
