@@ -27,20 +27,31 @@ def code_lines(text: str):
         yield from block.replace("\\\n", " ").splitlines()
 
 
+SEPARATORS = (";", "&&", "||", "|", ">", ">>", "2>", "&")
+
+
+def _starts_command(before) -> bool:
+    """Whether a word after ``before`` (the words of its line before it) begins a command: first
+    on the line, after a separator, after ``VAR=value`` words only, or after ``python -m``."""
+    since = before[max((i + 1 for i, w in enumerate(before) if w in SEPARATORS), default=0):]
+    return all("=" in word and not word.startswith("-") for word in since) or \
+        since[-2:] == ["python", "-m"]
+
+
 def lmsrt_commands(text: str):
     """Each ``lmsrt SUBCOMMAND ARGS`` in the code blocks of ``text``, as a list of words; words
     after a ``#`` comment are left out, as are other commands on the line (``;``, ``&&``, ``|``,
-    ``>``)."""
+    ``>``). ``lmsrt`` as an argument (``--methods lmsrt``) is no command."""
     for line in code_lines(text):
         try:
             words = shlex.split(line, comments=True)
         except ValueError:
             continue
         for start, word in enumerate(words):
-            if word == "lmsrt" and start + 1 < len(words):
+            if word == "lmsrt" and start + 1 < len(words) and _starts_command(words[:start]):
                 command = []
                 for rest in words[start + 1:]:
-                    if rest in (";", "&&", "||", "|", ">", ">>", "2>", "&"):
+                    if rest in SEPARATORS:
                         break
                     command.append(rest)
                 yield command
@@ -101,9 +112,10 @@ def test_an_option_that_is_not_there_fails():
 
 def test_commands_are_found_in_code_blocks_only():
     text = ("Prose `lmsrt run --nope x.py`.\n\n```bash\nLMSRT_DEVICE=sim lmsrt run --lms 1 \\\n"
-            "    x.py --a  # comment --b\ncd x && lmsrt info --json > out.json\n```\n")
+            "    x.py --a  # comment --b\ncd x && lmsrt info --json > out.json\n"
+            "python bench.py --methods lmsrt --compile\npython -m lmsrt build\n```\n")
     assert list(lmsrt_commands(text)) == [["run", "--lms", "1", "x.py", "--a"],
-                                          ["info", "--json"]]
+                                          ["info", "--json"], ["build"]]
 
 
 def relative_links(page: pathlib.Path):
@@ -125,3 +137,23 @@ def test_readme_links_every_docs_page():
     readme = set(relative_links(ROOT / "README.md"))
     pages = {f"docs/{page.name}" for page in PAGES[1:]}
     assert pages and pages <= readme, pages - readme
+
+
+def settings_table(text: str):
+    """The rows of README's settings table: {setting: (flag, variable, default)}."""
+    section = text[text.index("## Settings"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] not in ("setting", "---"):
+            rows[cells[0]] = tuple(cells[1:4])
+    return rows
+
+
+def test_readme_settings_table_is_the_options_table():
+    from lmsrt.options import OPTIONS, format_setting
+
+    rows = settings_table((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert rows == {name: (option.flag or "", option.env, format_setting(option.default))
+                    for name, option in OPTIONS.items()}
