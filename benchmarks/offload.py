@@ -1,6 +1,6 @@
 """Step time at a GPU memory cap: no offload, save_on_cpu, and lmsrt, against the transfer floor.
 
-    python benchmarks/offload.py                                  # gpt, seg, gptbig at 8,12,16 GiB
+    python benchmarks/offload.py                                  # gpt, seg, gptbig at CAPS
     python benchmarks/offload.py --workloads gpt --caps 12,16 --out results/
     python benchmarks/offload.py --workloads lm --caps 14,18,22 --search fastest \\
         --fracs auto,0.9,0.7,0.5                                  # lm, auto beside the grid
@@ -19,6 +19,12 @@ and prints each against its twin. --compile compiles the workload's model as a u
 block by block (lmsrt/compiled.py). Compare with a run without --compile for the eager rows.
 --memory-budget B sets torch._functorch.config.activation_memory_budget (the compiled graphs'
 recompute budget, a fraction of what they would save) in every method, as a user would.
+
+The method ckpt is activation checkpointing as a user writes it (torch.utils.checkpoint,
+use_reentrant=False): one checkpoint per block of the transformer stacks (gpt, gptbig, lm), and
+torch.utils.checkpoint.checkpoint_sequential over the segmentation net's layers with the fastest
+of --segments (2, 4, 8, 16) that fits, its last segment run plainly as checkpoint_sequential does.
+Its lms_frac column shows the segments.
 
 The floor: X = uncapped peak - cap bytes must leave the GPU in forward and come back in backward,
 so no swap-only method beats max(t_fwd, X/BW_d2h) + max(t_bwd, X/BW_h2d) (+ t_opt, the optimizer
@@ -46,6 +52,9 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 GiB = 2**30
 FRAC_GRID = (0.95, 0.93, 0.91, 0.89, 0.87, 0.85, 0.8, 0.7, 0.5, 0.0)
 SETTLED_TOLERANCE = 0.05
+# Caps (GiB) per workload when --caps is not given: down to where checkpointing per block fits.
+CAPS = {"gpt": (5, 6, 8, 12, 16), "gptbig": (8, 12, 16), "seg": (9, 10, 12, 16),
+        "lm": (10, 12, 14, 18, 22)}
 
 
 # -- child: one method at one cap, in its own process -------------------------------------------
@@ -98,10 +107,30 @@ def settled_after(times: list, median: float) -> Optional[int]:
     return n if n < len(times) else None
 
 
+def checkpointed(work, segments: int) -> None:
+    """Checkpoint ``work``'s model as a user would, in place: each block of a transformer stack,
+    or ``segments`` segments of a Sequential conv net (checkpoint_sequential)."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+    model = work.model
+    net = getattr(model, "net", None)
+    if net is not None:
+        net.forward = lambda x: checkpoint_sequential(net, segments, x, use_reentrant=False)
+        return
+    blocks = getattr(model, "blocks", model)
+    block_list = list(blocks)
+
+    def run(x):
+        for block in block_list:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+    blocks.forward = run
+
+
 def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int,
           recompute: bool = False, compiled: bool = False,
           memory_budget: Optional[float] = None) -> dict:
-    """One method at one cap; ``frac`` is a number or "auto", passed to lmsrt as it is."""
+    """One method at one cap; ``frac`` is a number or "auto", passed to lmsrt as it is (ckpt:
+    the number of segments of a Sequential conv net)."""
     import torch
     import lmsrt
     from workloads import build
@@ -127,6 +156,9 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
             return {"outcome": "unsupported", "error": str(e)}
     elif method == "save_on_cpu":
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    elif method == "ckpt":
+        checkpointed(work, int(frac))
+        ctx = contextlib.nullcontext()
     else:
         ctx = contextlib.nullcontext()
     times, peaks, phases, retries = [], [], [], []
@@ -160,7 +192,7 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
     if lms is not None:
         last = lms.stats()["last_step"]
         res.update(moved_gib=last["out_bytes"] / GiB, rebuilt_gib=last.get("recipe_bytes", 0) / GiB,
-                   stats=last, summary=lms.summary())
+                   stats=last, summary=lms.summary(), regions=lms.stats().get("regions"))
     if method == "reference":
         res["t_fwd"], res["t_bwd"], res["t_opt"] = _phases(work, steps)
         res["bandwidth"] = _bandwidth()
@@ -201,7 +233,21 @@ def run_child(args, workload: str, method: str, cap: float, frac=0.0,
         shown += f": {res['error']}"
     print(f"  {workload:7} {_label(res):12} cap={cap or '-':>4} lms_frac={frac:<4} {shown}"
           f"  ({res['wall_s']} s)", flush=True)
+    if res.get("regions"):
+        print(f"    regions: {res['regions']['note']}", flush=True)
     return res
+
+
+def checkpoint_row(args, workload: str, cap: float) -> dict:
+    """The ckpt row: per block for a transformer stack; for the conv net, the fastest of
+    --segments that fits, as a user tuning it would pick (the others under "attempts")."""
+    if workload != "seg":
+        return run_child(args, workload, "ckpt", cap)
+    tried = [run_child(args, workload, "ckpt", cap, int(n)) for n in args.segments.split(",") if n]
+    fits = [t for t in tried if t["outcome"] == "ok"]
+    best = min(fits, key=lambda t: t["step_s"]) if fits else tried[-1]
+    best["attempts"] = [t for t in tried if t is not best]
+    return best
 
 
 def _label(row: dict) -> str:
@@ -235,7 +281,7 @@ def table(rows: list, refs: dict) -> str:
                      f"{fl / r['step_s']:.2f}", "no" if settled is None else str(settled)]
         else:
             cells[0] = r["outcome"]
-        frac = r["lms_frac"] if r["method"] == "lmsrt" else "-"
+        frac = r["lms_frac"] if r["method"] in ("lmsrt", "ckpt") else "-"
         rebuilt = r.get("rebuilt_gib") if r.get("recompute") and r["outcome"] == "ok" else None
         extra = ("" if rebuilt is None else
                  f" {rebuilt:7.2f} {floor_s(ref, r['cap_gib'], rebuilt):7.3f}")
@@ -283,6 +329,23 @@ def rebuilt_against_moved(rows: list) -> str:
     return "\n".join(lines)
 
 
+def against_checkpoint(rows: list) -> str:
+    """One line per lmsrt row that has a ckpt twin: its step time over checkpointing's."""
+    lines = []
+    for ck in (r for r in rows if r["method"] == "ckpt"):
+        for lm in (r for r in rows if r["method"] == "lmsrt" and r["workload"] == ck["workload"]
+                   and r["cap_gib"] == ck["cap_gib"]):
+            where = f"{ck['workload']} at {ck['cap_gib']:g} GiB, lmsrt {lm['lms_frac']}"
+            if lm["outcome"] != "ok" or ck["outcome"] != "ok":
+                lines.append(f"{where}: lmsrt {lm['outcome']}, checkpointing {ck['outcome']}")
+                continue
+            regions = lm.get("regions") or {}
+            lines.append(f"{where}: {lm['step_s'] / ck['step_s']:.2f}x checkpointing's step "
+                         f"({lm['step_s']:.3f} s against {ck['step_s']:.3f} s; recomputed "
+                         f"{regions.get('recomputed', 0)} of {regions.get('regions', 0)} regions)")
+    return "\n".join(lines)
+
+
 def plot(rows: list, refs: dict, path: str) -> None:
     try:
         import matplotlib
@@ -298,7 +361,8 @@ def plot(rows: list, refs: dict, path: str) -> None:
         caps = sorted({r["cap_gib"] for r in rows if r["workload"] == name and r["cap_gib"]})
         for label, style, method, auto in (("save_on_cpu", "s-", "save_on_cpu", False),
                                            ("lmsrt", "o-", "lmsrt", False),
-                                           ("lmsrt auto", "^-", "lmsrt", True)):
+                                           ("lmsrt auto", "^-", "lmsrt", True),
+                                           ("checkpoint", "x-", "ckpt", False)):
             pts = [(r["cap_gib"], r["step_s"]) for r in rows if r["workload"] == name
                    and r["method"] == method and (r["lms_frac"] == "auto") == auto
                    and r["outcome"] == "ok" and r["cap_gib"]]
@@ -318,11 +382,15 @@ def plot(rows: list, refs: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="gpt,seg,gptbig")
-    ap.add_argument("--caps", default="8,12,16", help="GPU caps in GiB, comma-separated")
+    ap.add_argument("--caps", help="GPU caps in GiB, comma-separated (default: each workload's "
+                                   "CAPS, down to checkpointing's own peak)")
     ap.add_argument("--fracs", default=",".join(map(str, FRAC_GRID)),
                     help="lms_frac grid, tried from high to low until one fits; the word auto "
                          "adds lms_frac=\"auto\" as a row of its own at every cap")
-    ap.add_argument("--methods", default="none,save_on_cpu,lmsrt")
+    ap.add_argument("--methods", default="none,save_on_cpu,lmsrt,ckpt")
+    ap.add_argument("--segments", default="2,4,8,16",
+                    help="ckpt on the conv net: checkpoint_sequential's segments, each tried; the "
+                         "fastest that fits is the row")
     ap.add_argument("--search", choices=("highest", "fastest"), default="highest",
                     help="lmsrt: the highest lms_frac that fits, or the fastest of the whole grid "
                          "(convolutions can need free memory for fast cuDNN algorithms)")
@@ -345,7 +413,7 @@ def main() -> None:
         print(json.dumps(child(workload, method, float(cap), frac, args.steps, args.warmup,
                                recompute == "1", compiled == "1", args.memory_budget)))
         return
-    caps = [float(c) for c in args.caps.split(",") if c]
+    given = [float(c) for c in args.caps.split(",") if c] if args.caps else None
     fracs, auto = parse_fracs(args.fracs)
     methods = args.methods.split(",")
     recomputes = {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]
@@ -357,11 +425,13 @@ def main() -> None:
             continue
         refs[name] = ref
         rows.append(ref)
-        for cap in caps:
+        for cap in given or CAPS.get(name, (8, 12, 16)):
             if "none" in methods:
                 rows.append(run_child(args, name, "none", cap))
             if "save_on_cpu" in methods:
                 rows.append(run_child(args, name, "save_on_cpu", cap))
+            if "ckpt" in methods:
+                rows.append(checkpoint_row(args, name, cap))
             for recompute in recomputes if "lmsrt" in methods else ():
                 if fracs:
                     tried = []
@@ -389,6 +459,8 @@ def main() -> None:
         print("\n" + auto_against_grid(rows))
     if True in recomputes:
         print("\n" + rebuilt_against_moved(rows))
+    if "ckpt" in methods:
+        print("\n" + against_checkpoint(rows))
     with open(os.path.join(args.out, "offload.json"), "w") as f:
         json.dump({"rows": rows, "table": text}, f, indent=1, default=str)
     plot(rows, refs, os.path.join(args.out, "offload.png"))

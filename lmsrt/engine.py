@@ -446,6 +446,7 @@ class SwapEngine:
         self._failures_before = 0      # and its count of failed allocations
         self.diagnostics = Diagnostics()   # one-time warnings, out-of-memory text
         self.step_listeners: list = []  # called with the step number as each step begins
+        self._relearn = False          # the step that begins next learns afresh (relearn)
         self.closed = False
         # An engine dropped without close() (no graph can use it then: a graph holds unpack)
         # still lets its copies finish before its pinned slabs go back (Rules 2, 8).
@@ -459,6 +460,11 @@ class SwapEngine:
         return policy.bound if policy.auto else policy.mark
 
     # -- step boundaries ---------------------------------------------------------------------
+
+    def relearn(self) -> None:
+        """Plan afresh from the next step on, learning it as step 1 was: what the model saves
+        has changed (regions.py recomputes other regions). Called from a step listener."""
+        self._relearn = True
 
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step
@@ -488,6 +494,10 @@ class SwapEngine:
             self._forward_open = True
             if self.step.step:
                 self._finish_step()
+            if self._relearn:
+                self._relearn = False
+                self.plan = OffloadPlan()
+                self.policy = make_policy(self.config.lms_frac, self.limit, self.window)
             self._base = None
             self._keeps_all = False
             keeper = self._keeper and self._keeper()

@@ -17,6 +17,7 @@ from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine, pop_own_hooks
 from .options import OPTIONS, describe, spelled
+from .regions import Regions
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
@@ -213,6 +214,7 @@ class LMS:
         self._device = resolve_device(device if device is not None else config.device)
         self._engine: Optional[SwapEngine] = None
         self._hooks = None
+        self._regions: Optional[Regions] = None
         self._active = threading.local()
         if self._device is None:
             if config.enabled:
@@ -223,6 +225,9 @@ class LMS:
             _live_engines.add(self._engine)
             # C++ hooks where the copy path is built (the engine holds them weakly).
             self._hooks = self._engine.native_hooks()
+            if config.recompute:
+                # Repeated blocks recomputed in backward where that beats moving them.
+                self._regions = Regions(self._engine, self._hooks or self._engine)
 
     @classmethod
     def from_env(cls, **overrides) -> "LMS":
@@ -326,6 +331,7 @@ class LMS:
             "rebuild_refused": self._engine.rebuilds.refusals()
             if self._engine and self._engine.rebuilds else {},
             "history": [s.as_dict() for s in self._engine.run_stats.history] if self._engine else [],
+            "regions": self._regions.stats() if self._regions else None,
         }
 
     def summary(self) -> str:
@@ -334,6 +340,8 @@ class LMS:
 
     def close(self) -> None:
         """Finish copies in flight and give back pinned memory; the LMS cannot be used after."""
+        if self._regions is not None:
+            self._regions.close()
         if self._engine is not None:
             self._engine.close()
 

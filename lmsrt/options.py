@@ -138,11 +138,14 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            doc="rebuild cheap saved tensors in backward (GELU's and LayerNorm's outputs, "
                "autocast's casts) from their inputs instead of moving them, where lmsrt would "
                "otherwise swap them; each kind is first checked bit for bit against a copy (on "
-               "by default). Rebuilds read parameters as they are in backward: turn it off where "
-               "they change between forward and backward (through .data, FSDP or ZeRO-3 "
-               "resharding).",
+               "by default). Also recompute whole repeated blocks (a transformer's layers, a conv "
+               "net's stages) in backward where moving their activations would cost more step "
+               "time (lmsrt/regions.py). Rebuilds read parameters as they are in backward: turn it "
+               "off where they change between forward and backward (through .data, FSDP or "
+               "ZeRO-3 resharding).",
            what="on or off", example="on", metavar="on|off",
-           help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) instead of moving them.",
+           help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) and recompute repeated "
+                "blocks instead of moving them.",
            give="on or off", check=_check_switch("recompute")),
     Option("pin_ahead", True, bool, "LMSRT_PIN_AHEAD", "--pin-ahead",
            doc="as the LMS is created, start pinning (in the background) the host memory that "

@@ -141,6 +141,11 @@ def format_summary(stats: Dict[str, object]) -> str:
         lines.append(f"auto: use kept under {format_bytes(last['bound_bytes'])} (headroom "
                      f"{format_bytes(last['headroom_bytes'])}), predicted peak "
                      f"{format_bytes(last['predicted_peak_bytes'])}; {last['policy_note']}")
+    regions = stats.get("regions")
+    if regions and (regions["planned"] or regions["phase"] == "timing"):
+        lines.append(f"regions: {regions['recomputed']} of {regions['regions']} recomputed last "
+                     f"step ({format_bytes(regions['dropped_bytes'])} dropped in forward, "
+                     f"{regions['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
     lines.append(f"{'':22}{'last step':>14}{'total':>14}")
     rows = [
         ("steps", None, t["steps"]),

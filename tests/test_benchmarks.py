@@ -100,3 +100,29 @@ def test_table_with_recompute_rows_and_the_floor_of_what_still_moves():
     assert offload.floor_s(ref, 8.0, 4.0) < offload.floor_s(ref, 8.0)
     line = offload.rebuilt_against_moved([ref, off, on])
     assert line.startswith("gpt at 8 GiB, lms_frac 0.7: 1.26x faster with recompute")
+
+
+@pytest.mark.parametrize("name, size", [("lm", TINY_LM), ("seg", None)])
+def test_checkpointed_workloads_step_on_cpu(name, size):
+    """offload.py's ckpt method: the same loss and gradients as the plain step."""
+    offload, workloads = _load("offload"), _load("workloads")
+    if size is None:      # the conv net, small, on the CPU
+        def build():
+            torch.manual_seed(0)
+            work = workloads.Workload.__new__(workloads.Workload)
+            work.name, work.model = name, workloads.SegNet().eval()
+            work.inputs, work.autocast, work.device = (torch.randn(2, 4, 32, 32),), False, "cpu"
+            work.loss, work.optimizer = workloads._square_mean, None
+            return work
+    else:
+        def build():
+            torch.manual_seed(0)
+            return workloads.build(name, **size)
+    plain, ckpt = build(), build()
+    offload.checkpointed(ckpt, 4)
+    grads = []
+    for work in (plain, ckpt):
+        loss = work.forward()
+        loss.backward()
+        grads.append([p.grad for p in work.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

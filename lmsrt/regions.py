@@ -1,0 +1,649 @@
+"""Whole regions recomputed in backward, beside the engine's keep, swap and rebuild.
+
+A region is one call of a repeated block (a transformer layer, a conv net's stage), found from
+the model's structure through global module hooks, so ``lmsrt run`` sees unmodified scripts. A
+recomputed region keeps only its inputs (handed to the engine, which keeps or swaps them like
+any saved tensor) and drops everything its ops saved; backward runs its forward again at the
+first use of one of them, as ``torch.utils.checkpoint`` (non-reentrant) does. The plan
+(``choose_regions``) recomputes regions where moving their bytes would cost more step time than
+running them again: NOTE [ Region plan ].
+
+NOTE [ Recomputed regions ]
+  Rule 1 (what a region is). A child of an ``nn.ModuleList`` or ``nn.Sequential`` whose class
+    appears there more than once. In a plain ``nn.Sequential`` of mixed classes (a conv net's
+    layers), children are grouped into stages, run as one chain: a stage starts at each child
+    of the class that leads the container (its first child with parameters), or earlier, at the
+    parameter-free child before it whose input is smallest (pooling ends a stage, upsampling
+    starts the next); the sizes come from the first step, which recomputes nothing.
+  Rule 2 (only where lmsrt saves). A region is entered only while grad is on, outside backward,
+    and with this LMS's saved-tensor hooks innermost: inside a user's own checkpoint (its hooks
+    are innermost; a reentrant one runs forward without grad), ``save_on_cpu``, a torch.func
+    transform, or another region, nothing changes.
+  Rule 3 (dropped at the region's end). Its saved tensors are held while it runs and dropped
+    when it returns. A region that changed one of its inputs in place, was called with keyword
+    arguments, or raised, keeps them instead (its handles hold them, nothing is recomputed), and
+    is not recomputed again.
+  Rule 4 (recomputed exactly). At the first unpack of a dropped tensor, the region runs again
+    from its inputs (brought back by the engine) with grad on, the autocast state, CPU RNG state
+    and CUDA RNG state it ran with in forward. The running statistics of its batch norms in
+    training mode, updated once by forward, are put back after the rerun. Tensors are matched by
+    the order they were saved in; a rerun that saves other shapes or dtypes raises.
+  Rule 5 (versions). Autograd skips its in-place check while hooks are set, so each handle keeps
+    its tensor's version counter (``engine._counter_only``) and unpack raises autograd's error
+    when it moved; the engine checks the inputs it holds.
+
+NOTE [ Region plan ]
+  1. Step 1 surveys: regions are found, a mixed Sequential's output sizes read, nothing is
+     recomputed, and the engine learns as always. Its peak plus what it saved estimates the
+     step's use with everything kept; the excess is that over the engine's bound.
+  2. Where the excess is under 1/16 of the limit (or the link is free, the simulated device),
+     nothing is recomputed and the hooks go idle. Otherwise step 2 recomputes every region and
+     times its forward (CUDA events; wall time on the simulated device): in step 1 the swaps
+     slow forward down, and a region that swaps nothing runs at its own speed. The engine learns
+     again (``SwapEngine.relearn``): what the model saves has changed.
+  3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
+     as its regions' and backward's as twice that. A swap costs the copy time compute does not
+     hide (out: forward's; in: backward's); rebuilt bytes (step 1's share) cross no link
+     (``StepFigures``).
+  4. The prediction is checked against steps that ran. Two choices are made: with rebuilt
+     bytes crossing no link, and with every byte moved (more regions). Unless both are every
+     region, steps 3 and 4 recompute every region, planned, and are timed (the faster counts);
+     then each other choice in turn: the engine learns it, two planned steps are timed. The
+     fastest way holds for the run (the engine learns it once more unless it was the last).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+import time
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from .engine import _counter_only, _modified_error
+from .options import spelled
+from .units import format_bytes
+
+__all__ = ["Regions", "StepFigures", "choose_regions"]
+
+SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
+                               # sets ``Regions.bandwidth`` to make them cost)
+_PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
+_WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+    """What the region plan knows of a step (NOTE [ Region plan ]), in bytes and seconds."""
+
+    excess: int         # over the bound, were every saved tensor kept
+    saved: int          # saved in all (eligible storages)
+    rebuilt: int        # of which the engine rebuilds rather than moves
+    t_fwd: float
+    t_bwd: float
+    bandwidth: float    # of the link, each way
+
+    def swap_seconds(self, freed: int) -> float:
+        """Step time the swaps cost where recomputed regions free ``freed`` bytes: the copy
+        time that compute does not hide (out: forward's; in: backward's). Rebuilt storages (the
+        same share of what remains) cross no link."""
+        share = self.rebuilt / self.saved if self.saved else 0.0
+        moved = max(0.0, self.excess - freed - share * max(0, self.saved - freed))
+        t = moved / self.bandwidth
+        return max(0.0, t - self.t_fwd) + max(0.0, t - self.t_bwd)
+
+
+def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> List[int]:
+    """NOTE [ Region plan ]: the indices (in forward order) of the regions to recompute.
+
+    ``regions`` are (bytes a recompute frees, seconds its forward takes). Recomputing a region
+    costs its forward time and frees its bytes; swaps cost ``step.swap_seconds``. Regions are
+    taken from the last in forward (backward needs them first, where their copies would hide
+    worst), skipping any whose forward takes longer than a copy of its bytes (moving them never
+    costs more); the count taken is the one of least predicted time, the fewest on a tie (none
+    where the swaps hide already).
+
+    Example::
+
+        step = StepFigures(excess=12 << 30, saved=15 << 30, rebuilt=0, t_fwd=0.05, t_bwd=0.1,
+                           bandwidth=55e9)
+        choose_regions([(1 << 30, 0.003)] * 16, step)   # the last ones, as many as pay
+    """
+    best, best_cost = 0, step.swap_seconds(0)
+    freed, spent, taken = 0, 0.0, []
+    for i in range(len(regions) - 1, -1, -1):
+        nbytes, seconds = regions[i]
+        if not best_cost:
+            break
+        if seconds * step.bandwidth >= nbytes:
+            continue
+        freed, spent = freed + nbytes, spent + seconds
+        taken.append(i)
+        cost = spent + step.swap_seconds(freed)
+        if cost < best_cost:
+            best, best_cost = len(taken), cost
+        if cost == spent:
+            break                      # nothing left to move that does not hide
+    return sorted(taken[:best])
+
+
+class _Region:
+    """A repeated block (or a stage of a Sequential), its measurements and the plan's choice."""
+
+    __slots__ = ("name", "modules", "chain", "usable", "why", "nbytes", "seconds", "chosen",
+                 "__weakref__")
+
+    def __init__(self, name: str, modules: tuple, chain: bool):
+        self.name, self.modules, self.chain = name, modules, chain
+        self.usable, self.why = True, ""
+        self.nbytes, self.seconds = 0, 0.0
+        self.chosen = False
+
+
+class _Handle:
+    """What autograd holds for a tensor saved inside a region."""
+
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame: "_Frame", index: int):
+        self.frame, self.index = frame, index
+
+
+class _Frame:
+    """One call of a region in one forward: its inputs, its saved tensors' metadata and, while
+    it runs (or for good, Rule 3), the tensors themselves."""
+
+    def __init__(self, regions: "Regions", region: _Region, args: tuple, outer):
+        self.regions, self.region = regions, region
+        self.outer_unpack = outer[1]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        # Tensors go through the engine's hooks (kept or swapped), the rest as they are.
+        self.args = tuple((True, outer[0](a), a.requires_grad) if isinstance(a, torch.Tensor)
+                          else (False, a, False) for a in args)
+        self.input_versions = [(a, a._version) for a in tensors]
+        self.input_ptrs = {a.untyped_storage().data_ptr() for a in tensors}
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        kind = self.device.type
+        self.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
+                         for k in dict.fromkeys(("cpu", kind))]
+        self.cpu_rng = torch.get_rng_state()
+        self.gpu_rng = torch.cuda.get_rng_state(self.device) if kind == "cuda" else None
+        self.meta: list = []          # per saved tensor: [counter, version, shape, dtype]
+        self.saved: Dict[int, torch.Tensor] = {}   # held (forward, Rule 3) or kept (parameters)
+        self.params: set = set()      # indices of parameters (and views of them): always kept
+        self.again: Optional[Dict[int, torch.Tensor]] = None   # from the last recompute
+        self.dropped = False
+        self.nbytes = 0               # bytes dropped (storages other than inputs and parameters)
+        self._seen: Optional[set] = set()
+        self.hooks: Optional[saved_tensors_hooks] = saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> _Handle:
+        index = len(self.meta)
+        alias = t.detach()
+        self.meta.append([alias, t._version, t.shape, t.dtype])
+        self.saved[index] = alias
+        if _is_parameter(t):
+            self.params.add(index)
+        else:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._seen and ptr not in self.input_ptrs:
+                self._seen.add(ptr)
+                self.nbytes += storage.nbytes()
+        return _Handle(self, index)
+
+    def close(self, keep_why: str) -> None:
+        """The region returned (Rule 3): drop what its ops saved, unless ``keep_why``."""
+        self.hooks.__exit__(None, None, None)
+        self.hooks = self._seen = None          # (the hooks hold this frame: no cycle left)
+        if not keep_why:
+            keep_why = next(("it changed an input in place" for a, v in self.input_versions
+                             if a._version != v), "")
+        self.input_versions = []
+        if keep_why:
+            self.region.usable, self.region.why = False, keep_why
+            return
+        for index, meta in enumerate(self.meta):
+            if index not in self.params:
+                del self.saved[index]
+                meta[0] = _counter_only(meta[0])
+        self.dropped = True
+
+    def unpack(self, handle: _Handle) -> torch.Tensor:
+        index = handle.index
+        counter, version, shape, _ = self.meta[index]
+        if counter._version != version:
+            raise _modified_error("tensor", shape, None, counter._version, version,
+                                  f"was saved inside the recomputed region {self.region.name}")
+        tensor = self.saved.get(index)
+        if tensor is not None:
+            return tensor
+        if torch.is_grad_enabled():
+            # A backward that builds a graph of its own (create_graph=True) would need the
+            # recomputed tensors' history, which the rerun does not keep.
+            raise RuntimeError(
+                f"lmsrt: region {self.region.name} was recomputed, and a backward with "
+                "create_graph=True (double backward) cannot use recomputed tensors. Turn "
+                f"recompute off for such models (recompute=False, {spelled('recompute', False)}).")
+        if self.again is None or index not in self.again:
+            self.regions.recompute(self)
+        tensor = self.again.pop(index, None)
+        if tensor is None:
+            raise RuntimeError(
+                f"lmsrt: recomputing region {self.region.name} saved fewer tensors than its "
+                "forward did: its forward does not repeat itself (control flow on data or on "
+                f"global state). Turn recompute off (recompute=False, "
+                f"{spelled('recompute', False)}).")
+        return tensor
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A trainable leaf or a view of one: alive anyway, so kept rather than recomputed."""
+    base = t if t._base is None else t._base
+    return base.requires_grad and base.is_leaf
+
+
+class _Collect:
+    """The saved-tensor hooks of a recompute: each saved tensor goes to the frame by position."""
+
+    def __init__(self, frame: _Frame):
+        self.frame, self.index = frame, 0
+        frame.again = {}
+
+    def pack(self, t: torch.Tensor) -> int:
+        index, self.index = self.index, self.index + 1
+        frame = self.frame
+        if index < len(frame.meta) and index not in frame.saved:
+            _, _, shape, dtype = frame.meta[index]
+            if t.shape != shape or t.dtype != dtype:
+                raise RuntimeError(
+                    f"lmsrt: recomputing region {frame.region.name} saved a {t.dtype} tensor of "
+                    f"shape {list(t.shape)} where its forward saved {dtype} {list(shape)}: its "
+                    "forward does not repeat itself (control flow on data or on global state). "
+                    f"Turn recompute off (recompute=False, {spelled('recompute', False)}).")
+            frame.again[index] = t.detach()
+        return index
+
+    @staticmethod
+    def unpack(index: int):
+        raise RuntimeError("lmsrt: a recomputed region's own graph is never run backward")
+
+
+class Regions:
+    """Finds a model's repeated blocks, measures them, and recomputes those the plan chooses
+    (NOTE [ Recomputed regions ], NOTE [ Region plan ]). One per LMS under ``recompute``; its
+    global module hooks act only while that LMS's saved-tensor hooks are innermost.
+
+    Example::
+
+        lms = lmsrt.LMS(device="sim")             # recompute=True: lms owns a Regions
+        lms.stats()["regions"]["recomputed"]      # regions recomputed in the last step
+    """
+
+    def __init__(self, engine, hooks):
+        self.engine = engine
+        self.hooks = (hooks.pack, hooks.unpack)
+        self._owner = hooks             # the engine, or its C++ hooks
+        self.simulated = engine.device.kind == "sim"
+        self.bandwidth: Optional[float] = SIM_BANDWIDTH if self.simulated else None
+        self.worth = engine.limit >> _WORTH_SHIFT    # least excess the regions are timed for
+        self.step = 0
+        self.phase = "survey"           # survey (step 1), timing (step 2), planned
+        self.idle = False               # planned to recompute nothing: the hooks return at once
+        self._all = False               # recompute every usable region (timing and trial steps)
+        self._candidates: list = []     # choices of regions still to be tried
+        self._trying: list = []         # the one being tried (first: every region)
+        self._tried: list = []          # (seconds a step, choice)
+        self._starts: dict = {}         # step -> its start mark, while steps are compared
+        self._check_at = 0
+        self.note = "step 1 finds the model's repeated blocks and recomputes none"
+        # A region's first module -> the region.
+        self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._scanned: "weakref.WeakSet" = weakref.WeakSet()
+        self._scanned_children: "weakref.WeakSet" = weakref.WeakSet()   # of mixed Sequentials
+        self._mixed: list = []          # (name, Sequential) of mixed classes, grouped after step 1
+        self._out_bytes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.order: List[_Region] = []  # regions in forward order, as the timing step ran them
+        self.figures: Optional[StepFigures] = None   # what the plan was made from
+        self._local = threading.local()
+        self._timings: list = []        # (region, start, end) of this step's recomputed forwards
+        self._recomputes: list = []     # (start, end) of this step's recomputes in backward
+        self._step_counts = dict(recomputed=0, dropped_bytes=0, kept_calls=0)
+        self._span: list = []           # forward's first region start and last region end
+        me = weakref.ref(self)
+        handles = []
+
+        # Under torch.compile (which traces module hooks) nothing is done: saved-tensor hooks
+        # see a compiled graph's tensors all at once, after it (DESIGN.md, "Compiled graphs").
+        def pre(module, args):
+            regions = None if torch.compiler.is_compiling() else me()
+            return None if regions is None or regions.idle else regions._pre(module, args)
+
+        def post(module, args, *rest):
+            # (kwargs, output) after a forward; (output,) where it raised (always_call).
+            regions = None if torch.compiler.is_compiling() else me()
+            return None if regions is None or regions.idle else regions._post(module, *rest)
+
+        handles.append(nn.modules.module.register_module_forward_pre_hook(pre))
+        handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
+                                                                       always_call=True))
+        self._finalizer = weakref.finalize(self, _remove, handles)
+        # Held weakly by the engine, as by the hooks: a dropped LMS is freed at once, no cycle.
+        listener = weakref.WeakMethod(self._begin_step)
+        engine.step_listeners.append(lambda step: (listener() or _ignore)(step))
+
+    def close(self) -> None:
+        """Remove the global module hooks."""
+        self._finalizer()
+
+    # -- structure (Rule 1) --------------------------------------------------------------------
+
+    def _scan(self, module: nn.Module) -> None:
+        self._scanned.add(module)
+        containers = [(n, c) for n, c in module.named_children() if isinstance(c, nn.ModuleList)]
+        if isinstance(module, nn.Sequential):
+            containers.append(("", module))
+        for name, container in containers:
+            children = list(container)
+            counts = collections.Counter(type(c) for c in children)
+            repeated = [i for i, c in enumerate(children) if counts[type(c)] > 1]
+            if not repeated or any(c in self._of for c in children):
+                continue
+            label = name or type(container).__name__
+            chain = (isinstance(container, nn.Sequential)
+                     and type(container).forward is nn.Sequential.forward)
+            if chain and len(counts) > 1:
+                self._mixed.append((label, container))
+                self._scanned_children.update(children)
+                continue
+            for i in repeated:
+                region = _Region(f"{label}[{i}]", (children[i],), False)
+                self._of[children[i]] = region
+
+    def _group(self) -> None:
+        """Rule 1: stages of the Sequentials of mixed classes, from step 1's output sizes."""
+        for label, container in self._mixed:
+            children = list(container)
+            lead = next((type(c) for c in children if any(True for _ in c.parameters())), None)
+            starts = [0]
+            for i, c in enumerate(children):
+                if type(c) is not lead or i == 0:
+                    continue
+                j = i                  # earliest parameter-free child before it, after a stage
+                while (j - 1 > starts[-1] and not any(True for _ in children[j - 1].parameters())):
+                    j -= 1
+                # Cut where the tensor passed on is smallest: after child p - 1, p in [j, i].
+                sizes = {p: self._out_bytes.get(children[p - 1], 0) for p in range(j, i + 1)}
+                starts.append(min(sizes, key=lambda p: (sizes[p], -p)))
+            for a, b in zip(starts, starts[1:] + [len(children)]):
+                region = _Region(f"{label}[{a}:{b}]", tuple(children[a:b]), True)
+                self._of[children[a]] = region
+        self._mixed = []
+        self._scanned_children = weakref.WeakSet()
+
+    # -- forward (Rules 2, 3) ------------------------------------------------------------------
+
+    def _innermost_is_lms(self) -> bool:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and getattr(top[0], "__self__", None) is self._owner
+
+    def _pre(self, module: nn.Module, args: tuple):
+        if (getattr(self._local, "frame", None) is not None or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1 or not self._innermost_is_lms()):
+            return None
+        if module not in self._scanned:
+            self._scan(module)
+        region = self._of.get(module)
+        if region is None or self.phase == "survey":
+            return None
+        if not (region.usable and (region.chosen or self._all)):
+            return None
+        frame = _Frame(self, region, args, self.hooks)
+        self._local.frame = frame
+        if self.phase == "timing":
+            self._timings.append([region, *self._mark()])
+        frame.hooks.__enter__()
+        return None
+
+    def _post(self, module: nn.Module, kwargs, output=None):
+        if self.phase == "survey":
+            if (isinstance(output, torch.Tensor) and isinstance(kwargs, dict)
+                    and module in self._scanned_children):
+                self._out_bytes[module] = output.untyped_storage().nbytes()
+            return None
+        frame = getattr(self._local, "frame", None)
+        if frame is None or frame.region.modules[-1] is not module:
+            return None
+        self._local.frame = None
+        if self.phase == "timing":
+            self._end(self._timings[-1])
+        why = ("it raised" if not isinstance(kwargs, dict) else
+               "it was called with keyword arguments" if kwargs else "")
+        frame.close(why)
+        counts = self._step_counts
+        if frame.dropped:
+            counts["recomputed"] += 1
+            counts["dropped_bytes"] += frame.nbytes
+            frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
+        else:
+            counts["kept_calls"] += 1
+        return None
+
+    def _mark(self) -> list:
+        """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA
+        events; on the simulated device, wall times."""
+        if self.simulated:
+            return [time.perf_counter(), None]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return [start, end]
+
+    def _end(self, span: list) -> None:
+        if self.simulated:
+            span[-1] = time.perf_counter()
+        else:
+            span[-1].record()
+
+    # -- backward (Rule 4) ---------------------------------------------------------------------
+
+    def recompute(self, frame: _Frame) -> None:
+        """Run ``frame``'s region again, collecting what its ops save."""
+        region = frame.region
+        timing = self._mark()
+        inputs = [frame.outer_unpack(a).detach().requires_grad_(grad) if tensor else a
+                  for tensor, a, grad in frame.args]
+        # Rule 4: the rerun updates copies of the running statistics, which then go (the
+        # buffers themselves are never written: they may be saved tensors too).
+        norms = [m for module in region.modules for m in module.modules()
+                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+                 and m.track_running_stats]
+        devices = [frame.device] if frame.gpu_rng is not None else []
+        with contextlib.ExitStack() as stack:
+            for m in norms:
+                stack.callback(m._buffers.update, dict(m._buffers))
+                m._buffers.update((k, b.clone()) for k, b in m._buffers.items() if b is not None)
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(frame.cpu_rng)
+            if frame.gpu_rng is not None:
+                torch.cuda.set_rng_state(frame.gpu_rng, frame.device)
+            for kind, enabled, dtype in frame.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            collect = _Collect(frame)
+            stack.enter_context(saved_tensors_hooks(collect.pack, collect.unpack))
+            if region.chain:
+                x = inputs[0]
+                for m in region.modules:
+                    x = m(x)
+            else:
+                region.modules[0](*inputs)
+        self._end(timing)
+        self._recomputes.append(timing)
+
+    # -- steps and the plan --------------------------------------------------------------------
+
+    def _begin_step(self, step: int) -> None:
+        """The engine's step listener: finish the last step's figures, move to the next phase
+        (NOTE [ Region plan ])."""
+        self._step_counts = dict(recomputed=0, dropped_bytes=0, kept_calls=0)
+        self._recomputes = []
+        self.step = step
+        if self.phase in ("timing", "trial", "checking"):
+            self._starts[step] = self._mark()    # steps are timed from one start to the next
+        if self.phase == "survey" and step >= 2:
+            self._survey_done()
+        elif self.phase == "timing":
+            self._plan()
+        elif self.phase in ("trial", "checking") and step >= self._check_at:
+            self._time_steps()
+        self._timings = []
+
+    def _step_seconds(self, step: int) -> float:
+        """How long step ``step`` took, from its start to the next one's (waits for it)."""
+        start, end = self._starts[step][0], self._starts[step + 1][0]
+        if self.simulated:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def _elapsed_ms(self, spans: list) -> float:
+        if self.simulated:
+            return sum((b - a) * 1e3 for a, b in spans if b is not None)
+        return sum(a.elapsed_time(b) for a, b in spans if b.query())   # finished ones
+
+    def _survey_done(self) -> None:
+        self._group()
+        step1 = self.engine.current_step()
+        # What the step would hold with every saved tensor kept: its peak, which swapped them
+        # all, plus what it saved; the excess over the bound must leave (NOTE [ Region plan ]).
+        self._saved = (step1.out_bytes + step1.kept_bytes + step1.live_bytes
+                       + step1.recipe_bytes)
+        self._excess = max(0, step1.gpu_peak_bytes + self._saved - self.engine.mark)
+        self._rebuilt = step1.recipe_bytes
+        found = len(set(self._of.values()))
+        if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
+            self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
+                       f"bound is left to the swaps")
+            return
+        self.phase, self._all = "timing", True
+        self.note = "step 2 recomputes every region to time its forward"
+        self.engine.relearn()
+
+    def _done(self, note: str) -> None:
+        """Nothing to recompute: the hooks return at once. (They stay: removing a global hook
+        makes torch.compile compile its graphs again.)"""
+        self.phase, self.note, self.idle = "planned", note, True
+
+    def _plan(self) -> None:
+        """NOTE [ Region plan ]."""
+        seen, order = set(), []
+        for region, start, end in self._timings:
+            if not self.simulated:
+                end.synchronize()
+            seconds = (end - start) if self.simulated else start.elapsed_time(end) / 1e3
+            region.seconds = seconds if region not in seen else min(region.seconds, seconds)
+            if region not in seen:
+                seen.add(region)
+                order.append(region)
+        self.order = order
+        self._trying = [r for r in order if r.usable]
+        # Forward's time: its regions' (between them, the engine's learning step waits for
+        # copies of their inputs).
+        t_fwd = sum(r.seconds for r in order)
+        bandwidth = self.bandwidth or _bandwidth(self.engine.device)
+        excess = self._excess
+        usable = [r for r in order if r.usable]
+        self.figures = StepFigures(excess, self._saved, self._rebuilt, t_fwd, 2 * t_fwd,
+                                   bandwidth)
+        sizes = [(r.nbytes, r.seconds) for r in usable]
+        # Two choices: with rebuilt bytes crossing no link, and (on the safe side, should the
+        # rebuilt share be smaller where the plan leaves swaps) with every byte moved.
+        for figures in (self.figures, dataclasses.replace(self.figures, rebuilt=0)):
+            chosen = [usable[i] for i in choose_regions(sizes, figures)]
+            if chosen != usable and chosen not in self._candidates:
+                self._candidates.append(chosen)
+        self.note = (f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, link "
+                     f"{bandwidth / 1e9:.0f} GB/s, swaps predicted to cost "
+                     f"{self.figures.swap_seconds(0) * 1e3:.1f} ms")
+        if self._candidates:
+            self.phase = "trial"         # two planned steps recompute every region, timed
+            self._check_at = self.step + 2
+        else:
+            self._settle_on(usable)
+
+    def _apply(self, chosen: list) -> None:
+        """Recompute ``chosen`` from this step on (a choice of the plan, or every region)."""
+        self._all = False
+        for region in self.order:
+            region.chosen = region in chosen
+        self.idle = not chosen
+
+    def _time_steps(self) -> None:
+        """The steps of the way being tried are over: note the faster of its last two; try the
+        next way, or settle on the fastest."""
+        seconds = min(self._step_seconds(self.step - 2), self._step_seconds(self.step - 1))
+        self._tried.append((seconds, self._trying))
+        if self._candidates:
+            self._trying = self._candidates.pop(0)
+            self._apply(self._trying)
+            self.engine.relearn()
+            self.phase = "checking"      # it learns in this step, then two planned steps
+            self._check_at = self.step + 3
+            return
+        self._starts = {}
+        seconds, best = min(self._tried, key=lambda t: t[0])
+        if best is not self._trying:
+            self.engine.relearn()
+        self._settle_on(best)
+
+    def _settle_on(self, chosen: list) -> None:
+        self._apply(chosen)
+        self.phase = "planned"
+        tried = ", ".join(f"{len(c)}: {t * 1e3:.1f} ms" for t, c in self._tried)
+        self.note = (f"recompute {len(chosen)} of {len(self.order)} regions (frees "
+                     f"{format_bytes(sum(r.nbytes for r in chosen))}, forward "
+                     f"{sum(r.seconds for r in chosen) * 1e3:.1f} ms); {self.note}"
+                     + (f"; steps timed with so many regions recomputed: {tried}" if tried
+                        else ""))
+
+    def stats(self) -> dict:
+        """The step in flight's regions, for ``LMS.stats()["regions"]``: region calls recomputed
+        (their saved tensors dropped in forward) and kept, the bytes dropped, and the GPU time
+        of the recomputes in backward that have finished."""
+        return dict(regions=len(self.order) or len(set(self._of.values())),
+                    phase=self.phase, planned=sum(r.chosen for r in self.order),
+                    figures=self.figures and dataclasses.asdict(self.figures),
+                    tried=[(len(c), t) for t, c in self._tried],
+                    each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
+                          for r in self.order],
+                    refused={r.name: r.why for r in self.order if not r.usable},
+                    note=self.note, recompute_ms=self._elapsed_ms(self._recomputes),
+                    **self._step_counts)
+
+
+def _bandwidth(device) -> float:
+    """Pinned device-to-host copy bandwidth, bytes/s: one probe copy, as the plan is made."""
+    host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device.torch_device)
+    host.copy_(gpu, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(4):
+        host.copy_(gpu, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return 4 * _PROBE_BYTES / (start.elapsed_time(end) / 1e3)
+
+
+def _ignore(step: int) -> None:
+    pass
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

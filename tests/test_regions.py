@@ -1,0 +1,276 @@
+"""Recomputed regions (lmsrt/regions.py): repeated blocks found without model changes, dropped in
+forward and run again in backward, exactly: gradients, dropout, autocast and batch norm's
+running statistics equal to the run without lmsrt, bit for bit."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import lmsrt
+from lmsrt.regions import StepFigures, choose_regions
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block with dropout."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class Stack(nn.Module):
+    """Blocks in a ModuleList, called by a loop; ``ckpt`` checkpoints each as a user would."""
+
+    def __init__(self, d: int = 32, n: int = 4, ckpt: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return x
+
+
+def _segnet():
+    """A small conv net in one Sequential of mixed classes, as the benchmark's SegNet."""
+    down, up = [], []
+    for i in range(2):
+        down += [nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                 nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        up += [nn.Upsample(scale_factor=2), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+               nn.ReLU(inplace=True)]
+    return nn.Sequential(*down, *up, nn.Conv2d(8, 2, 1))
+
+
+def _lms(device: str) -> lmsrt.LMS:
+    """An LMS whose plan recomputes every region: a link of 1 byte/s hides no copy, and any
+    excess is worth it (by default 1/16 of the limit)."""
+    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device=device)
+    lms._regions.bandwidth, lms._regions.worth = 1.0, 0
+    return lms
+
+
+def _torch_device(device: str) -> str:
+    return "cpu" if device == "sim" else device
+
+
+@contextlib.contextmanager
+def _deterministic():
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _train(model, x, steps: int, ctx=None, autocast: bool = False):
+    """Per step: the loss, the gradients, and every buffer after the step."""
+    out = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        with ctx or contextlib.nullcontext():
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x).float().square().mean()
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()],
+                    [b.clone() for b in model.buffers()]))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _same(a, b) -> None:
+    for (la, ga, ba), (lb, gb, bb) in zip(a, b):
+        assert torch.equal(la, lb)
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+        assert all(torch.equal(x, y) for x, y in zip(ba, bb))
+
+
+def _check_exact(device: str, make, x, autocast: bool = False, steps: int = 4):
+    torch.manual_seed(0)
+    model = make().to(_torch_device(device))
+    plain_model = make().to(_torch_device(device))
+    plain_model.load_state_dict(model.state_dict())
+    lms = _lms(device)
+    with _deterministic():
+        plain = _train(plain_model, x, steps, autocast=autocast)
+        under = _train(model, x, steps, lms, autocast=autocast)
+    _same(plain, under)
+    return lms
+
+
+def _check_dropout_and_autocast(device: str, autocast: bool):
+    x = torch.randn(4, 16, 32, device=_torch_device(device))
+    lms = _check_exact(device, lambda: Stack(32, 4), x, autocast)
+    regions = lms.stats()["regions"]
+    # Step 1 surveys, step 2 times every region, then the plan recomputes all four.
+    assert regions["phase"] == "planned" and regions["planned"] == 4
+    assert regions["recomputed"] == 4 and regions["dropped_bytes"] > 0
+    assert "regions: 4 of 4 recomputed" in lms.summary()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dropout_and_autocast_recomputed_exactly(autocast):
+    _check_dropout_and_autocast("sim", autocast)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dropout_and_autocast_recomputed_exactly_cuda(autocast):
+    _check_dropout_and_autocast("cuda", autocast)
+
+
+def _check_batch_norm(device: str):
+    x = torch.randn(4, 3, 16, 16, device=_torch_device(device))
+    lms = _check_exact(device, _segnet, x)
+    regions = lms._regions
+    # Stages cut where the tensor passed on is smallest: after pooling, before upsampling.
+    assert [r.name for r in regions.order] == ["Sequential[0:4]", "Sequential[4:8]",
+                                               "Sequential[8:12]", "Sequential[12:16]",
+                                               "Sequential[16:17]"]
+    stats = lms.stats()["regions"]
+    assert stats["recomputed"] >= 4 and stats["recompute_ms"] > 0
+
+
+def test_batch_norm_statistics_updated_once():
+    _check_batch_norm("sim")
+
+
+@pytest.mark.cuda
+def test_batch_norm_statistics_updated_once_cuda():
+    _check_batch_norm("cuda")
+
+
+def test_a_users_checkpoint_is_left_alone():
+    x = torch.randn(4, 16, 32)
+    lms = _check_exact("sim", lambda: Stack(32, 4, ckpt=True), x)
+    stats = lms.stats()["regions"]
+    assert stats["regions"] == 4 and stats["recomputed"] == 0 and stats["kept_calls"] == 0
+
+
+class InPlaceInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(x.relu_())
+
+
+def test_a_region_that_changes_its_input_in_place_is_kept():
+    model_of = lambda: nn.Sequential(nn.Linear(32, 32),
+                                     nn.Sequential(*[InPlaceInput() for _ in range(3)]))
+    lms = _check_exact("sim", model_of, torch.randn(256, 32))
+    stats = lms.stats()["regions"]
+    assert stats["recomputed"] == 0
+    assert set(stats["refused"].values()) == {"it changed an input in place"}
+
+
+def test_an_input_changed_after_its_region_raises_as_autograd_does():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(32, 32)
+            self.blocks = nn.ModuleList(Block(32) for _ in range(2))
+            self.change = False
+
+        def forward(self, x):
+            h = self.first(x)
+            y = self.blocks[1](self.blocks[0](h))
+            if self.change:
+                h.mul_(2)          # the first block's LayerNorm saved h
+            return y
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(256, 32)
+    model.change = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _train(model, x, 1)
+    model.change = False
+    lms = _lms("sim")
+    _train(model, x, 3, lms)           # the plan recomputes both blocks from step 3
+    model.change = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _train(model, x, 1, lms)
+    assert lms.stats()["regions"]["recomputed"] == 2
+
+
+def test_recompute_off_finds_no_regions():
+    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device="sim", recompute=False)
+    assert lms._regions is None and lms.stats()["regions"] is None
+
+
+def _figures(excess_gib: float, **changes) -> StepFigures:
+    """A transformer stack's step: 15 GiB saved, forward 50 ms, backward 100 ms, 55 GB/s."""
+    return StepFigures(**dict(dict(excess=int(excess_gib * 2**30), saved=15 << 30, rebuilt=0,
+                                   t_fwd=0.05, t_bwd=0.1, bandwidth=55e9), **changes))
+
+
+def test_plan_recomputes_nothing_where_swaps_hide():
+    blocks = [(1 << 30, 0.003)] * 16
+    # 2.5 GiB out at 55 GB/s hide under forward, and come back under backward.
+    assert choose_regions(blocks, _figures(2.5)) == []
+    assert choose_regions(blocks, _figures(0)) == []
+    # So do 5 GiB, of which the engine rebuilds half.
+    assert choose_regions(blocks, _figures(5, rebuilt=7.5 * 2**30)) == []
+    assert choose_regions(blocks, _figures(5)) != []
+
+
+def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
+    blocks = [(1 << 30, 0.003)] * 16
+    chosen = choose_regions(blocks, _figures(14))
+    # The last ones, and only as many as pay: what is left to move hides.
+    assert chosen == list(range(16 - len(chosen), 16)) and 8 <= len(chosen) < 14
+    assert _figures(14).swap_seconds(len(chosen) << 30) < 0.003
+    # A region slower to run than its bytes to move is never recomputed.
+    slow = blocks[:15] + [(1 << 20, 0.01)]
+    assert 15 not in choose_regions(slow, _figures(14))
+
+
+def _two_choices(monkeypatch) -> None:
+    """The plan's two choices taken as given: the last two regions of four, the last three."""
+    import lmsrt.regions
+    choices = iter([[2, 3], [1, 2, 3]])
+    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: next(choices))
+
+
+def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
+    _two_choices(monkeypatch)
+    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=7)
+    stats = lms.stats()["regions"]
+    # Steps 3 and 4 recomputed every region; step 5 learnt afresh what the first choice saves,
+    # and step 7 follows its plan, swaps and recomputes mixed.
+    assert stats["phase"] == "checking" and stats["planned"] == 2 and stats["recomputed"] == 2
+    assert [r.name for r in lms._regions.order if r.chosen] == ["blocks[2]", "blocks[3]"]
+    assert "regions: 2 of 4 recomputed" in lms.summary()
+    assert lms.stats()["last_step"]["mode"] == "plan"
+
+
+def test_the_fastest_of_the_ways_tried_holds(monkeypatch):
+    _two_choices(monkeypatch)
+    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=12)
+    stats = lms.stats()["regions"]
+    # Every region (steps 3, 4), the first choice (5 to 7), the second (8 to 10): step 11
+    # settled on the fastest.
+    assert stats["phase"] == "planned" and [n for n, _ in stats["tried"]] == [4, 2, 3]
+    fastest = min(stats["tried"], key=lambda t: t[1])[0]
+    assert stats["planned"] == stats["recomputed"] == fastest
+
+
+def test_double_backward_through_a_recomputed_region_says_what_to_do():
+    torch.manual_seed(0)
+    model, x = Stack(32, 4), torch.randn(4, 16, 32)
+    lms = _lms("sim")
+    _train(model, x, 3, lms)            # regions recomputed from step 2
+    with lms:
+        loss = model(x).square().mean()
+    with pytest.raises(RuntimeError, match="create_graph=True.*recompute=False"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
