@@ -18,7 +18,7 @@ class OptionalBuildExt(build_ext):
     def run(self) -> None:
         try:
             super().run()
-        except Exception as exc:  # compiler, linker and missing-toolchain errors alike
+        except Exception as exc:  # noqa: BLE001 - compiler, linker, missing toolchain alike
             reason = (str(exc).splitlines() or [""])[0]
             print(f"lmsrt: native extension not built ({type(exc).__name__}: {reason}); "
                   "the pure-Python allocator will be used")

@@ -132,8 +132,9 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
     """One method at one cap; ``frac`` is a number or "auto", passed to lmsrt as it is (ckpt:
     the number of segments of a Sequential conv net)."""
     import torch
-    import lmsrt
     from workloads import build
+
+    import lmsrt
 
     if memory_budget is not None:
         import torch._functorch.config
@@ -175,9 +176,11 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
             peaks.append(torch.cuda.max_memory_allocated())
             # Retries: the allocator hit the cap, freed its cache and synchronised the device.
             retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - before)
-            phases.append((marks[0].elapsed_time(marks[1]) / 1e3, marks[1].elapsed_time(marks[2]) / 1e3))
+            phases.append((marks[0].elapsed_time(marks[1]) / 1e3,
+                           marks[1].elapsed_time(marks[2]) / 1e3))
     except torch.OutOfMemoryError as e:
-        phase = "backward" if "backward" in "".join(traceback.format_tb(e.__traceback__)) else "forward"
+        where = "".join(traceback.format_tb(e.__traceback__))
+        phase = "backward" if "backward" in where else "forward"
         return {"outcome": "OOM", "oom_step": len(times) + 1, "oom_phase": phase,
                 "allocated_gib": torch.cuda.memory_allocated() / GiB,
                 "reserved_gib": torch.cuda.memory_reserved() / GiB,
@@ -303,7 +306,8 @@ def auto_against_grid(rows: list) -> str:
         else:
             verdict = (f"auto {auto['step_s']:.3f} s = {auto['step_s'] / best['step_s']:.2f}x the "
                        f"grid's {best['step_s']:.3f} s (lms_frac {best['lms_frac']})")
-        lines.append(f"{auto['workload']} at {auto['cap_gib']:g} GiB{' +rb' * bool(auto.get('recompute'))}: "
+        rb = " +rb" * bool(auto.get("recompute"))
+        lines.append(f"{auto['workload']} at {auto['cap_gib']:g} GiB{rb}: "
                      f"{verdict}")
     return "\n".join(lines)
 

@@ -24,10 +24,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-import lmsrt  # noqa: E402
-import lmsrt.copy_path  # noqa: E402
+import lmsrt
+import lmsrt.copy_path
 
 
 def measure(device, lms_kb: float, frac: float, n: int, numel: int, rounds: int) -> dict:
@@ -144,7 +144,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "sim")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--profile", action="store_true", help="also print where the swapped path spends")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the swapped path spends")
     ap.add_argument("--primitives", action="store_true",
                     help="also time each CUDA call the swapped path makes (CUDA only)")
     args = ap.parse_args()

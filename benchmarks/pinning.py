@@ -1,4 +1,5 @@
-"""Pinned host memory at lmsrt's default settings (or a given --lms-frac): pinned against used, first step against settled.
+"""Pinned host memory at lmsrt's default settings (or a given --lms-frac): pinned against used,
+first step against settled.
 
     python benchmarks/pinning.py                                  # gpt at 12 GiB, lm at 14 GiB
     python benchmarks/pinning.py --workloads lm --cap-gib 14 --out results/
@@ -38,8 +39,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 GiB = 2**30
-# A cap per workload at which lmsrt must move gigabytes (the uncapped peaks are in DESIGN.md and
-# benchmarks/workloads.py): gpt 18.2, lm 27.5, seg 15.7 GiB.
+# A cap per workload at which lmsrt must move gigabytes (the uncapped peaks are in docs/design.md
+# and benchmarks/workloads.py): gpt 18.2, lm 27.5, seg 15.7 GiB.
 CAPS = {"gpt": 12.0, "lm": 14.0, "seg": 12.0, "gptbig": 16.0, "gptsmall": 2.0}
 SETTLED_STEPS = 5
 TARGET_RATIO = 1.15
@@ -60,10 +61,11 @@ def _pool_figures(pool) -> dict:
 def child(workload: str, method: str, cap_gib: float, steps: int, lms_frac=None,
           pins_dir: str = "", prime: bool = False) -> dict:
     import torch
-    import lmsrt
-    import lmsrt.cache
     from offload import _bandwidth
     from workloads import build
+
+    import lmsrt
+    import lmsrt.cache
 
     if pins_dir:                 # the records of this benchmark's runs, not the user's
         lmsrt.cache.pins_dir = lambda: pins_dir

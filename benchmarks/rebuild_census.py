@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lmsrt.rebuild import census, view_of  # noqa: E402
-from workloads import GPT2LM, GPTBlock, SegNet, build  # noqa: E402
+from workloads import GPT2LM, GPTBlock, SegNet, build
+
+from lmsrt.rebuild import census, view_of
 
 MB = 1 << 20
 
@@ -81,7 +82,8 @@ def main() -> None:
     for r in rows:
         ops = ", ".join(f"{op} {b / MB:.1f}" for op, b in sorted(r["by_op"].items()))
         share = r["rebuildable_bytes"] / r["saved_bytes"] if r["saved_bytes"] else 0.0
-        print(f"| {r['workload']} | {r['saved_bytes'] / MB:.1f} | {r['rebuildable_bytes'] / MB:.1f} "
+        print(f"| {r['workload']} | {r['saved_bytes'] / MB:.1f} "
+              f"| {r['rebuildable_bytes'] / MB:.1f} "
               f"| {share:.0%} | {ops or '-'} | {'yes' if r['bit_exact'] else 'NO'} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rebuild_census_{args.device}.json")

@@ -10,7 +10,7 @@
 // between two contiguous buffers. Built against a CPU-only torch, copy_ stands in, so the module
 // still compiles and its other calls can be tested.
 //
-// The stream rules are the engine's (lmsrt/engine.py, NOTE [ Stream lifetimes ]); the functions
+// The stream rules are the engine's (lmsrt/engine/__init__.py, NOTE [ Stream lifetimes ]); the functions
 // below only carry them out:
 //   copy_out: Rule 1 - the D2H stream waits on the compute stream's progress before reading.
 //   copy_in:  Rule 3 - the H2D stream waits on the compute stream's progress before writing the
@@ -140,7 +140,7 @@ std::tuple<int64_t, int64_t, int64_t> allocator_counts(c10::DeviceIndex index) {
   return {stats.allocated_bytes[kAggregate].peak, stats.num_alloc_retries, stats.num_ooms};
 }
 
-// ---- Saved-tensor hooks for a step that keeps everything (lmsrt/engine.py, NOTE [ Steps that
+// ---- Saved-tensor hooks for a step that keeps everything (lmsrt/engine/native.py, NOTE [ Steps that
 // keep everything ]). The engine's Python hooks cost ~6 us a saved tensor; a model that fits its
 // cap saves hundreds a step, and its forward runs on the CPU's time. These hooks do what the
 // Python ones do for such a step, in C++: decide that a saved tensor stays, check the step still

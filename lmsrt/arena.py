@@ -76,7 +76,8 @@ class PyOffsetAllocator:
         self._allocated: dict[int, int] = {}
 
     def alloc(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (rounded up to the alignment); return the offset, or -1 if nothing fits."""
+        """Reserve ``nbytes`` (rounded up to the alignment); return the offset, or -1 if nothing
+        fits."""
         nbytes = operator.index(nbytes)
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
@@ -104,7 +105,8 @@ class PyOffsetAllocator:
         return offset
 
     def free(self, offset: int) -> None:
-        """Release the block at ``offset``, coalescing with free neighbours; KeyError if not allocated."""
+        """Release the block at ``offset``, coalescing with free neighbours; KeyError if not
+        allocated."""
         offset = operator.index(offset)
         size = self._allocated.pop(offset, None)
         if size is None:
@@ -179,7 +181,7 @@ native_error: str | None
 
 try:
     from lmsrt._native import OffsetAllocator as _NativeOffsetAllocator
-except Exception as exc:  # an absent, stale or ABI-incompatible build must never break the package
+except Exception as exc:  # noqa: BLE001 - an absent, stale or ABI-incompatible build
     OffsetAllocator = PyOffsetAllocator
     NATIVE = False
     native_error = f"{type(exc).__name__}: {exc}"

@@ -23,14 +23,13 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import torch
 from torch import nn
 
-from .engine import pop_own_hooks
+from .hook_stack import hooks_aside
 
 __all__ = ["capturing", "hooks_aside", "install", "made_regions", "repeated_blocks"]
 
@@ -92,20 +91,6 @@ def repeated_blocks(model: nn.Module) -> List[nn.Module]:
         blocks += found
         inside.update(id(m) for c in found for m in c.modules())
     return blocks
-
-
-@contextlib.contextmanager
-def hooks_aside():
-    """Take lmsrt's saved-tensor hooks off this thread's stack for the block, and put them back
-    after it; yields the pairs taken (none when lmsrt's are not on top)."""
-    aside = []
-    try:
-        while (pair := pop_own_hooks()) is not None:
-            aside.append(pair)
-        yield aside
-    finally:
-        for pack, unpack in reversed(aside):
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _block_arguments(kwargs: dict, say: Callable[[str, str], None]) -> dict:
@@ -174,12 +159,11 @@ class _Regional:
 def install(live: Callable[[], bool], say: Callable[[str, str], None]) -> None:
     """Wrap ``torch.compile`` and ``nn.Module.compile`` (once per process, when lmsrt is
     imported) so that a model compiled whole is compiled block by block while ``live()`` says
-    an LMS is live; and make ``torch.cuda.graph`` capture with lmsrt's hooks aside. ``say(key,
+    an LMS is live (torch_patches.py, NOTE [ What lmsrt changes in torch ], 6). ``say(key,
     message)`` warns once per key."""
     global _torch_compile, _module_compile
     if _torch_compile is not None:
         return
-    _step_aside_in_capture()
     if not hasattr(torch, "compile") or not hasattr(nn.Module, "compile"):
         _torch_compile = True       # a torch without torch.compile: nothing to wrap, ever
         return
@@ -209,36 +193,3 @@ def install(live: Callable[[], bool], say: Callable[[str, str], None]) -> None:
 def capturing() -> bool:
     """True while this thread's current CUDA stream captures a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _step_aside_in_capture() -> None:
-    """lmsrt's hooks leave the stack while ``torch.cuda.graph`` captures (also when it captures
-    for ``make_graphed_callables`` or inductor's CUDA graphs)."""
-    graph = getattr(getattr(torch.cuda, "graphs", None), "graph", None)
-    if graph is None:
-        return
-    enter, leave = graph.__enter__, graph.__exit__
-
-    @functools.wraps(enter)
-    def __enter__(self):
-        aside = hooks_aside()
-        self._lmsrt_aside = aside
-        aside.__enter__()
-        try:
-            return enter(self)
-        except BaseException:
-            self._lmsrt_aside = None
-            aside.__exit__(None, None, None)
-            raise
-
-    @functools.wraps(leave)
-    def __exit__(self, *exc):
-        try:
-            return leave(self, *exc)
-        finally:
-            aside: Optional[contextlib.AbstractContextManager] = getattr(self, "_lmsrt_aside", None)
-            if aside is not None:
-                self._lmsrt_aside = None
-                aside.__exit__(None, None, None)
-
-    graph.__enter__, graph.__exit__ = __enter__, __exit__

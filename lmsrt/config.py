@@ -8,8 +8,16 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
-from .options import (MAX_BYTES, OPTIONS, byte_count, check, cuda_index, describe, parse_env,
-                      setting_range)
+from .options import (
+    MAX_BYTES,
+    OPTIONS,
+    byte_count,
+    check,
+    cuda_index,
+    describe,
+    parse_env,
+    setting_range,
+)
 
 __all__ = ["LMSConfig", "ENV_VARS", "MAX_BYTES", "cuda_index", "setting_range"]
 

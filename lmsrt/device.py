@@ -28,7 +28,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from . import copy_path
+from . import copy_path, torch_patches
 from .config import cuda_index
 
 __all__ = ["Device", "CudaDevice", "SimulatedDevice", "resolve_device"]
@@ -104,39 +104,6 @@ class _OnStream:
 _RAW_STREAMS = hasattr(torch._C, "_cuda_getCurrentStream") and hasattr(torch._C, "_cuda_setStream")
 
 
-def _allocated_peak(index: int) -> int:
-    return torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]["peak"]
-
-
-# Peaks that a script's own torch.cuda.reset_peak_memory_stats() cleared since lmsrt last reset
-# the counter, per device index. CUDA keeps one peak counter per device, and training loops often
-# reset it to print a per-step peak: without this, lmsrt's step peak (and `lmsrt tune`'s GPU
-# column) would cover only what follows the script's reset.
-_cleared_peaks: dict = {}
-_torch_reset_peak = None
-
-
-def _keep_peaks_across_resets() -> None:
-    """Wrap torch.cuda.reset_peak_memory_stats (once per process) so that it first folds the peak
-    it is about to clear into ``_cleared_peaks``; it then resets as before."""
-    global _torch_reset_peak
-    if _torch_reset_peak is not None:
-        return
-    _torch_reset_peak = original = torch.cuda.memory.reset_peak_memory_stats
-
-    @functools.wraps(original)
-    def reset_peak_memory_stats(device=None):
-        try:
-            index = torch.cuda._utils._get_device_index(device, optional=True)
-            _cleared_peaks[index] = max(_cleared_peaks.get(index, 0), _allocated_peak(index))
-        except Exception:       # noqa: BLE001 - never let bookkeeping break the script's call
-            pass
-        return original(device)
-
-    torch.cuda.memory.reset_peak_memory_stats = reset_peak_memory_stats   # reset_max_... too
-    torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
-
-
 # cudaHostRegisterPortable: the range counts as pinned in every CUDA context of the process, not
 # only in the current one (on systems with unified addressing it is also mapped).
 _HOST_REGISTER_PORTABLE = 1
@@ -150,28 +117,6 @@ def _unregister(ptr: int, mapping: mmap.mmap) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:       # noqa: BLE001 - a finalizer must not raise, least of all at exit
         pass
-
-
-def _prefer_expandable_segments() -> bool:
-    """Turn on the caching allocator's expandable segments unless the user configured them
-    (``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` names ``expandable_segments``), and
-    say whether they are on. Under LMS the GPU runs near its limit with blocks of every size
-    coming and going; fixed segments then strand memory reserved but unallocated (measured: 0.75
-    GiB of a 6.8 GiB cap on an LM head, enough to run out where the plan fit). The setting
-    applies to segments made from here on; it is the allocator's own, numerics do not change."""
-    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF",
-                                                           "PYTORCH_CUDA_ALLOC_CONF"))
-    if "expandable_segments" in conf:
-        return "expandable_segments:true" in conf.replace(" ", "").lower()
-    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-              or getattr(torch._C, "_cuda_setAllocatorSettings", None))
-    if setter is None:
-        return False
-    try:
-        setter("expandable_segments:True")
-    except Exception:       # noqa: BLE001 - a build without them keeps fixed segments
-        return False
-    return True
 
 
 _TOUCH_PIECE = 16 << 20        # a touching thread's share of a pin is at least this much
@@ -243,8 +188,8 @@ class CudaDevice:
         self.native_hooks = self.copy_path    # and its C++ saved-tensor hooks (the same module)
         if self.copy_path is not None:
             self.memory_allocated = functools.partial(self.copy_path.memory_allocated, self.index)
-        _keep_peaks_across_resets()
-        self.expandable = _prefer_expandable_segments()
+        torch_patches.keep_peaks_across_resets()
+        self.expandable = torch_patches.prefer_expandable_segments()
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.is_cuda and t.get_device() == self.index
@@ -304,11 +249,10 @@ class CudaDevice:
     def peak_allocated(self) -> int:
         """Peak allocated bytes since the last ``reset_peak``, even if the script reset torch's
         counter in between."""
-        return max(self._counts()[0], _cleared_peaks.get(self.index, 0))
+        return max(self._counts()[0], torch_patches.cleared_peaks.get(self.index, 0))
 
     def reset_peak(self) -> None:
-        _torch_reset_peak(self.index)
-        _cleared_peaks.pop(self.index, None)
+        torch_patches.reset_peak(self.index)
 
     def memory_limit(self) -> int:
         """The bytes this process may allocate: the device total, times the per-process cap."""

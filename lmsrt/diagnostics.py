@@ -14,13 +14,14 @@ Example::
 """
 from __future__ import annotations
 
-import warnings
 from typing import Set, Tuple
 
 import torch
 
+from .compiled import made_regions
 from .config import LMSConfig
 from .options import spelled
+from .say import say_once
 from .stats import StepStats
 from .units import MiB, format_bytes
 
@@ -34,67 +35,62 @@ class Diagnostics:
     def __init__(self) -> None:
         self.given: Set[str] = set()
 
-    def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
-        """Warn with ``message`` unless a warning of this ``key`` was given before; ``stacklevel``
-        as for ``warnings.warn``, counted from here."""
-        if key not in self.given:
-            self.given.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
-
     def unswappable(self, t: torch.Tensor) -> None:
         """A saved tensor the engine cannot copy as one flat storage stays on the GPU."""
         kind = "nested" if t.is_nested else type(t).__name__
-        self._warn_once("kind", f"lmsrt: saved tensors of kind {kind} stay on the GPU: the "
+        say_once("kind", f"lmsrt: saved tensors of kind {kind} stay on the GPU: the "
                         "engine swaps plain strided tensors only. Gradients are unaffected; only "
-                        "the memory they hold is not saved.", stacklevel=5)
+                        "the memory they hold is not saved.", given=self.given, stacklevel=4)
 
     def copy_out_failed(self, nbytes: int, e: Exception) -> None:
-        """A copy to host memory raised; the tensor stays on the GPU (engine.py, Rule 7)."""
-        self._warn_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to host "
+        """A copy to host memory raised; the tensor stays on the GPU (engine/__init__.py,
+        NOTE [ Stream lifetimes ], Rule 7)."""
+        say_once("d2h", f"lmsrt: copying a saved tensor ({format_bytes(nbytes)}) to host "
                         f"memory failed ({type(e).__name__}: {e}); it stays on the GPU, as will "
                         "any other whose copy fails, and gradients are unaffected. If the GPU "
-                        "then runs out, the error says what to change.", stacklevel=5)
+                        "then runs out, the error says what to change.", given=self.given,
+                 stacklevel=4)
 
     def alloc_retries(self, s: StepStats) -> None:
         """Say once that the allocator ran out of room in a planned step. Measured on an H100 with
         a segmentation net at a 16 GiB cap: two such retries a step made it 2.2x slower than
         uncapped, with nothing swapped."""
-        self._warn_once("retries", (
+        say_once("retries", (
             f"lmsrt: in step {s.step} the CUDA caching allocator ran out of room "
             f"{s.alloc_retries} time{'s' if s.alloc_retries > 1 else ''} and freed its cache to go "
             "on. Each time it synchronizes the device, which stalls the copies lmsrt overlaps "
             "with compute, and cuDNN falls back to slower convolution algorithms when their "
             "workspace does not fit. A lower lms_frac leaves that room: `lmsrt tune` finds the "
             "fastest; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True fragments less. "
-            "LMS.stats() counts these retries per step (alloc_retries)."))
+            "LMS.stats() counts these retries per step (alloc_retries)."), given=self.given,
+            stacklevel=3)
 
     def alloc_failures(self, s: StepStats) -> None:
         """Say once that allocations failed at the limit and their callers went on with less.
         Measured on an H200 with a segmentation net at a 12 GiB cap: cuDNN's backward took 1.42 s
         a step instead of 0.22 s for the rest of the run, after one step in which its workspaces
         did not fit."""
-        self._warn_once("failures", (
+        say_once("failures", (
             f"lmsrt: in step {s.step}, {s.alloc_failures} GPU allocation"
             f"{'s' if s.alloc_failures > 1 else ''} failed at the memory limit and the library "
             "that asked went on with less: cuDNN then runs a slower convolution algorithm and "
             "keeps it for the rest of the run. GPU use was too close to the limit there; a lower "
             "lms_frac (or lms_frac=\"auto\") leaves room. LMS.stats() counts these per step "
-            "(alloc_failures)."))
+            "(alloc_failures)."), given=self.given, stacklevel=3)
 
     def rebuild_mismatch(self, ops) -> None:
-        """Rebuilding a saved tensor did not give back its bits (engine.py, NOTE [ Rebuilt
+        """Rebuilding a saved tensor did not give back its bits (engine/recipes.py, NOTE [ Rebuilt
         storages ]): the check ran beside the copy, so no gradient used the rebuild."""
-        self._warn_once("rebuild", (
+        say_once("rebuild", (
             f"lmsrt: rebuilding the output of {', '.join(ops)} on this device did not give back "
             "the original bit for bit, so those tensors are moved instead, as without "
             "recompute; gradients are unaffected (the check ran beside the copy). Please report "
-            "it with the model and the torch version."))
+            "it with the model and the torch version."), given=self.given, stacklevel=3)
 
     def compiled_region(self, frame) -> None:
         """The storage being saved comes from an autograd.Function called from ``frame``: say
         once if that Function is a torch.compile'd region (AOTAutograd's), whose saves arrive
         only after its forward. Not when lmsrt split a model into regions itself: it said so."""
-        from .compiled import made_regions      # (compiled.py imports the engine, which imports us)
         if made_regions():
             return
         for _ in range(3):
@@ -105,12 +101,12 @@ class Diagnostics:
             frame = frame.f_back
         else:
             return
-        self._warn_once("compile", "lmsrt: a torch.compile'd region saves its tensors for "
+        say_once("compile", "lmsrt: a torch.compile'd region saves its tensors for "
                         "backward all at once after its forward and takes them back all at once "
                         "when its backward starts, so swapping lowers GPU memory only between "
                         "compiled regions, never inside one. Gradients are unaffected. To save "
                         "more, compile smaller regions (each transformer block, say) or leave "
-                        "the largest layers uncompiled.")
+                        "the largest layers uncompiled.", given=self.given, stacklevel=3)
 
     def annotate_oom(self, exc: BaseException, where: str, *, config: LMSConfig, policy,
                      step: StepStats, allocated: int, peak: int, limit: int,
@@ -122,11 +118,7 @@ class Diagnostics:
         if getattr(exc, "_lmsrt_annotated", False):
             return
         exc._lmsrt_annotated = True
-        if policy.auto:
-            level = "lms_frac=auto (below)"
-        else:
-            level = (f"swapping starts at {format_bytes(policy.mark)} "
-                     f"(lms_frac={config.lms_frac:g})")
+        level = policy.oom_level(config)
         largest_bytes, largest_index = largest
         lines = [
             f"lmsrt: out of GPU memory with LMS on, {where}.",
@@ -146,23 +138,14 @@ class Diagnostics:
             lines.append("  Copies to host memory failed (see the warning given then), so those "
                          "tensors stayed on the GPU.")
         lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KB) so smaller tensors go too"
-        at_most = policy.auto and policy.learning or not policy.auto and policy.mark == 0
-        if at_most and config.min_bytes <= MiB:
+        if policy.swaps_everything() and config.min_bytes <= MiB:
             lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 KB): "
                          "what is left is one layer's working set, parameters, gradients and "
                          "optimizer state. Lower the batch size, checkpoint activations "
                          "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
                          "layer.")
-        elif policy.auto:
-            lines.append(f"  To fit: {lms}; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-                         "against fragmentation; or give a fixed lms_frac "
-                         f"({spelled('lms_frac', 0.5)}, say) to swap from a mark you choose.")
         else:
-            lines.append(f"  To fit: lower lms_frac ({spelled('lms_frac')}, now "
-                         f"{config.lms_frac:g}) so swapping starts earlier; {lms}; set "
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
-                         "fragmentation; or run `lmsrt profile` to see the largest layer's "
-                         "working set, below which no offload goes.")
+            lines.append(policy.oom_to_fit(config, lms))
         message = "\n".join(lines)
         first = str(exc.args[0]) if exc.args else ""
         exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])

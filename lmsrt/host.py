@@ -36,29 +36,27 @@ thread unless asked to:
   Lifetime. The threads see only a ``_Pinner``, never the pool, so a dropped pool is collected at
     once; its finalizer (or ``close``) stops and joins the threads before the slabs go.
 
-Before each pin the host budget is checked: psutil's available memory, the cgroup v2/v1 limit
-when one applies, divided among the ranks of this node. Pinned memory cannot be swapped out, so
-the budget keeps a fifth of what is free for everyone else.
+Before each pin the host budget is checked (host_memory.py: psutil's available memory, the cgroup
+v2/v1 limit when one applies, divided among the ranks of this node).
 """
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
-import warnings
 import weakref
 from typing import Deque, List, Optional
 
-import psutil
 import torch
 
 from .arena import OffsetAllocator
-from .device import Device, local_world_size
+from .device import Device
+from .host_memory import host_budget
 from .options import spelled
+from .say import say_once
 from .units import GiB, MiB, format_bytes
 
-__all__ = ["HostPool", "HostSlot", "host_budget", "cgroup_available", "local_world_size"]
+__all__ = ["HostPool", "HostSlot"]
 
 _ALIGN = 512                  # offsets within a slab (DMA and vector copies)
 _PAGE = 4096                  # slab sizes are whole pages
@@ -66,96 +64,6 @@ _CHUNK_MIN = 64 * MiB         # the first chunk lands in ~50 ms
 _CHUNK_MAX = GiB              # growth by an eighth of what is held, at most this much a pin
 _IDLE_STEPS = 10              # steps a slab sits unused before it is given back
 _GIVE_BACK_STEP = GiB         # most bytes a step gives back (beyond its first slab)
-
-
-def _read_int(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):        # no such file, or "max" (no limit), or garbage
-        return None
-
-
-def _read_stat(path: str, key: str) -> int:
-    try:
-        with open(path) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-# (controller directory, limit file, usage file, memory.stat key of reclaimable page cache)
-_CGROUP_LAYOUTS = (("", "memory.max", "memory.current", "inactive_file"),                     # v2
-                   ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                    "total_inactive_file"))                                                   # v1
-
-
-def _own_cgroups(proc_cgroup: str) -> dict:
-    """This process's cgroup path per layout directory, from /proc/self/cgroup."""
-    paths = {}
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return paths
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":
-            paths.setdefault("", path)                    # v2: "0::/path"
-        elif "memory" in controllers.split(","):
-            paths["memory"] = path                        # v1: "4:memory:/path"
-    return paths
-
-
-def cgroup_available(root: str = "/sys/fs/cgroup",
-                     proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
-    """Bytes left under this process's cgroup memory limits (v2, else v1), or None if none apply.
-
-    Every limit from the process's own cgroup up to ``root`` counts (a parent's limit binds its
-    children); in a container its own cgroup is usually ``root`` itself. Usage leaves out the
-    inactive page cache, which the kernel reclaims before it would fail an allocation (as
-    ``docker stats`` and the kubelet count it): a data loader that has read a large data set
-    must not look like a host out of memory.
-    """
-    own = _own_cgroups(proc_cgroup)
-    for directory, limit_file, usage_file, cache_key in _CGROUP_LAYOUTS:
-        base = os.path.join(root, directory) if directory else root
-        path = own.get(directory, "/").strip("/")
-        parts = path.split("/") if path else []
-        best = None
-        for depth in range(len(parts), -1, -1):
-            folder = os.path.join(base, *parts[:depth])
-            limit = _read_int(os.path.join(folder, limit_file))
-            if limit is None or limit >= 1 << 60:     # v1 reports "no limit" as a huge number
-                continue
-            usage = _read_int(os.path.join(folder, usage_file)) or 0
-            usage -= _read_stat(os.path.join(folder, "memory.stat"), cache_key)
-            left = max(0, limit - max(0, usage))
-            best = left if best is None else min(best, left)
-        if best is not None:
-            return best
-    return None
-
-
-def host_budget(already_pinned: int = 0, fraction: float = 0.8) -> int:
-    """The pinned bytes this rank may hold: its share of ``fraction`` of the free host memory.
-
-    Free is psutil's available memory, or what the cgroup limit leaves if that is less, shared
-    equally among the ``LOCAL_WORLD_SIZE`` ranks of this node.
-
-    Example::
-
-        host_budget()             # 8 ranks, 512 GiB free: 0.8 * 512 / 8 = 51.2 GiB each
-    """
-    free = psutil.virtual_memory().available
-    cgroup = cgroup_available()
-    if cgroup is not None:
-        free = min(free, cgroup)
-    return already_pinned + int(free * fraction / local_world_size())
 
 
 class _Slab:
@@ -304,8 +212,9 @@ class HostPool:
     would serve it is under way (unless ``wait=True``): the caller keeps the tensor on the GPU.
     Figures: ``pinned_bytes`` (pins under way included: a figure that does not depend on
     when they land) and the most it ever was (``most_pinned``), ``used_bytes``, ``peak_used``,
-    ``refused`` (as the engine resets them), ``pins_in_flight``, and per step (reset by
-    ``new_step``) ``pin_seconds``, ``pin_wait_seconds``, ``lagged``, ``given_back_bytes``.
+    ``refused``, ``pins_in_flight``, and per step (reset by ``new_step``: ``peak_used`` from
+    what is in use then) ``pin_seconds``, ``pin_wait_seconds``, ``lagged``,
+    ``given_back_bytes``; ``figures()`` reads them for a step's stats.
 
     Example::
 
@@ -345,7 +254,7 @@ class HostPool:
         self._reserved = 0        # the last reserve's bytes: give-back keeps them pinned
         self._largest = self._largest_before = 0   # largest request of this step, of the last
         self._misses = 0          # pins started for requests in this step
-        self._warned = False
+        self._said: set = set()      # warnings given (say_once)
         # The smallest request that could not grow the pool in this step: larger ones are refused
         # without asking again (a budget check reads psutil and cgroup files; a failed pin costs
         # a driver call), until the next step. After a failed pin nothing is tried in the step,
@@ -473,7 +382,7 @@ class HostPool:
         ``close`` does nothing."""
         if slot.base is None or self.closed:
             return
-        slot.base = slot._tensor = None          # first: an interrupt below leaks, never frees twice
+        slot.base = slot._tensor = None   # first: an interrupt below leaks, never frees twice
         allocator = slot.slab.allocator
         self.used_bytes -= allocator.size_of(slot.offset)
         allocator.free(slot.offset)
@@ -484,6 +393,8 @@ class HostPool:
         """A new step: growth may be tried again, the per-step figures start from zero, and
         slabs idle for ``idle_steps`` steps are given back (NOTE [ Pinning ], Give-back)."""
         self._refused_from = None
+        self.refused = 0
+        self.peak_used = self.used_bytes
         self.lagged = self.given_back_bytes = self._misses = 0
         self.pin_seconds = self.pin_wait_seconds = 0.0
         self._largest_before, self._largest = self._largest, 0
@@ -503,6 +414,14 @@ class HostPool:
                 self.given_back_bytes += slab.size
                 self._pinner.give_back(slab.tensor)
                 slab.tensor = None
+
+    def figures(self) -> dict:
+        """The pool's figures for a step's stats, by their ``StepStats`` names."""
+        return {"host_pinned_bytes": self.pinned_bytes, "host_peak_bytes": self.peak_used,
+                "host_refused": self.refused, "host_pin_s": self.pin_seconds,
+                "host_pin_wait_s": self.pin_wait_seconds, "host_lagged": self.lagged,
+                "host_given_back_bytes": self.given_back_bytes,
+                "host_pins_in_flight": self.pins_in_flight}
 
     def used_slabs(self) -> List[int]:
         """The sizes of the slabs that requests have used, oldest first (a layout for
@@ -573,11 +492,12 @@ class HostPool:
             size = room // _PAGE * _PAGE
         if size < nbytes or size <= 0:
             self._refuse(nbytes)
-            self._warn_once("lmsrt: the host memory budget is reached "
-                            f"({format_bytes(self.pinned_bytes)} pinned, "
-                            f"{format_bytes(max(room, 0))} more allowed); saved tensors that do "
-                            "not fit stay on the GPU (said once). Free host memory, or raise "
-                            f"host_budget_gb ({spelled('host_budget_gb')}) if the GPU runs out.")
+            say_once("pinning", "lmsrt: the host memory budget is reached "
+                     f"({format_bytes(self.pinned_bytes)} pinned, "
+                     f"{format_bytes(max(room, 0))} more allowed); saved tensors that do "
+                     "not fit stay on the GPU (said once). Free host memory, or raise "
+                     f"host_budget_gb ({spelled('host_budget_gb')}) if the GPU runs out.",
+                     given=self._said, stacklevel=4)
             return None
         pin = _Pin(size)
         self.pinned_bytes += size
@@ -604,20 +524,15 @@ class HostPool:
                 self.pinned_bytes -= pin.size
                 self.pinned_ahead -= pin.size if pin.ahead else 0
                 self._refused_from, self._pin_cap = 0, max(pin.size // 2, _PAGE)
-                self._warn_once(f"lmsrt: pinning {format_bytes(pin.size)} of host memory "
-                                f"failed ({pin.error}); saved tensors that do not fit in what is "
-                                "pinned stay on the GPU (said once). Free host memory, or set "
-                                f"host_budget_gb ({spelled('host_budget_gb')}) to what can be "
-                                "pinned.")
+                say_once("pinning", f"lmsrt: pinning {format_bytes(pin.size)} of host memory "
+                         f"failed ({pin.error}); saved tensors that do not fit in what is "
+                         "pinned stay on the GPU (said once). Free host memory, or set "
+                         f"host_budget_gb ({spelled('host_budget_gb')}) to what can be "
+                         "pinned.", given=self._said, stacklevel=4)
 
     def _refuse(self, nbytes: int) -> None:
         if self._refused_from is None or nbytes < self._refused_from:
             self._refused_from = nbytes
-
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=5)
 
     def close(self) -> None:
         """Stop and join the pinning threads, then give the slabs back (unregistered and unmapped

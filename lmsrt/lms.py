@@ -2,128 +2,27 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import threading
-import warnings
 import weakref
 from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from . import arena, compiled
-from .compiled import hooks_aside
+from . import arena, compiled, torch_patches
 from .config import LMSConfig
 from .device import resolve_device
-from .engine import SwapEngine, pop_own_hooks
+from .engine import SwapEngine
 from .options import OPTIONS, describe, spelled
 from .regions import Regions
+from .say import say_once
 from .stats import StepStats, format_summary
 
 __all__ = ["LMS"]
 
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
-_said_native = False
-_said_no_gpu = False
-
-
-def _say_native_once() -> None:
-    global _said_native
-    if not _said_native and not arena.NATIVE:
-        warnings.warn(f"lmsrt: the native allocator is not in use ({arena.native_error}); the "
-                      "pure-Python one gives the same results with slower bookkeeping. Reinstall "
-                      "with a C++ compiler present to build it.", RuntimeWarning, stacklevel=3)
-    _said_native = True
-
-
-def _say_no_gpu_once() -> None:
-    # Once per process: a CPU-only run that builds an LMS per model or per epoch needs one line.
-    global _said_no_gpu
-    if not _said_no_gpu:
-        warnings.warn("lmsrt: no CUDA device is available, so LMS does nothing; run on a GPU "
-                      "machine, or simulate one on the CPU: device='sim' (under lmsrt run: "
-                      f"{spelled('device', 'sim')}).", RuntimeWarning, stacklevel=3)
-    _said_no_gpu = True
-
-
-_torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
-
-
-def _step_aside_where_hooks_are_disabled() -> None:
-    """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process, when lmsrt is
-    imported) so that lmsrt's hooks leave this thread's stack for the region and come back after
-    it.
-
-    torch.func's transforms (grad, vjp, jacrev, hessian, vmap of them) and other code that
-    cannot work with saved-tensor hooks run inside that context manager, which raises as it is
-    entered if any hooks are set: under ``lmsrt run`` an unmodified script using torch.func
-    would fail. Tensors saved in the region stay on the GPU, as without LMS."""
-    global _torch_disable_hooks
-    if _torch_disable_hooks is not None:
-        return
-    _torch_disable_hooks = original = torch.autograd.graph.disable_saved_tensors_hooks
-
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def disable_saved_tensors_hooks(error_message: str):
-        with hooks_aside() as aside:
-            if aside:
-                _say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
-                          "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
-                          "or torch.autograd.graph.disable_saved_tensors_hooks), so lmsrt steps "
-                          "aside there: tensors saved inside stay on the GPU, as without LMS "
-                          "(said once).")
-            with original(error_message):
-                yield
-
-    torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
-
-
-# At import, before torch.compile is used: dynamo recognises the context manager by identity,
-# from a table it builds when it is first imported.
-_step_aside_where_hooks_are_disabled()
-
-
-_torch_backward = None            # torch.autograd.backward and grad, unwrapped
-
-
-def _annotate_backward_ooms() -> None:
-    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
-    ``torch.autograd.grad`` (once per process, when lmsrt is imported) so that an out-of-memory
-    error raised in backward while an LMS holds saved tensors carries lmsrt's context, as one
-    raised in forward does: autograd's own allocations (a gradient, a kernel's workspace) fail
-    there, not in lmsrt's code. The same exception goes on; nothing else changes."""
-    global _torch_backward
-    if _torch_backward is not None:
-        return
-    _torch_backward = (torch.autograd.backward, torch.autograd.grad)
-
-    def wrap(original):
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            try:
-                return original(*args, **kwargs)
-            except torch.OutOfMemoryError as exc:
-                for engine in list(_live_engines):
-                    if not engine.closed and engine.step.step:
-                        engine.annotate_oom(exc, "in backward")
-                        break
-                raise
-        return call
-
-    torch.autograd.backward, torch.autograd.grad = map(wrap, _torch_backward)
-
-
-_annotate_backward_ooms()
-
-
-_said: set = set()
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _said:
-        _said.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+# Out-of-memory errors in backward carry lmsrt's context (torch_patches, NOTE, 4).
+torch_patches.annotate_backward_ooms(_live_engines)
 
 
 def _any_live() -> bool:
@@ -131,9 +30,9 @@ def _any_live() -> bool:
     return any(not engine.closed for engine in list(_live_engines))
 
 
-# Also at import: a model compiled whole is compiled block by block while an LMS is live, and
-# CUDA graph capture runs with lmsrt's hooks aside (compiled.py).
-compiled.install(_any_live, _say_once)
+# Also at import: a model compiled whole is compiled block by block while an LMS is live
+# (compiled.py; torch_patches, NOTE, 6).
+compiled.install(_any_live, functools.partial(say_once, stacklevel=3))
 
 
 @atexit.register
@@ -146,7 +45,7 @@ def _close_all() -> None:
     for engine in list(_live_engines):
         try:
             engine.close()
-        except Exception:
+        except Exception:   # noqa: BLE001 - at exit, close what can be closed
             pass
 
 
@@ -218,9 +117,17 @@ class LMS:
         self._active = threading.local()
         if self._device is None:
             if config.enabled:
-                _say_no_gpu_once()
+                # Once per process: a CPU-only run that builds an LMS per model or per epoch
+                # needs one line.
+                say_once("no-gpu", "lmsrt: no CUDA device is available, so LMS does nothing; "
+                         "run on a GPU machine, or simulate one on the CPU: device='sim' (under "
+                         f"lmsrt run: {spelled('device', 'sim')}).", stacklevel=2)
         elif config.enabled:
-            _say_native_once()
+            if not arena.NATIVE:
+                say_once("native", f"lmsrt: the native allocator is not in use "
+                         f"({arena.native_error}); the pure-Python one gives the same results "
+                         "with slower bookkeeping. Reinstall with a C++ compiler present to "
+                         "build it.", stacklevel=2)
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
             # C++ hooks where the copy path is built (the engine holds them weakly).
@@ -275,40 +182,23 @@ class LMS:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
         if compiled.capturing():
             # Copies and event waits would invalidate the capture (compiled.py).
-            _say_once("capture", "lmsrt: LMS entered while a CUDA graph is being captured steps "
-                      "aside: tensors saved in the captured region stay on the GPU, in the "
-                      "graph's pool (said once). Enter LMS outside the capture to swap.")
+            say_once("capture", "lmsrt: LMS entered while a CUDA graph is being captured steps "
+                     "aside: tensors saved in the captured region stay on the GPU, in the "
+                     "graph's pool (said once). Enter LMS outside the capture to swap.",
+                     stacklevel=3)
             self._active.hooks = False
             return self
-        engine.begin_forward()
-        if engine._stale_hooks:
-            engine._pop_stale_hooks(threading.get_ident())
-        hooks = engine if self._hooks is None else self._hooks
-        torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
+        self._active.recorder = engine.enter()
         self._active.hooks = True
-        if engine.rebuilds is not None and engine.rebuilds.noting:
-            # Records how cheap ops made their outputs (engine.py, NOTE [ Rebuilt storages ]).
-            self._active.recorder = engine.rebuilds.recorder().__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         pushed = getattr(self._active, "hooks", None)
         self._active.hooks = None
         recorder = getattr(self._active, "recorder", None)
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
-            self._active.recorder = None
+        self._active.recorder = None
         if pushed:
-            engine = self._engine
-            pop_own_hooks(engine)
-            if torch._C._current_graph_task_id() != -1:
-                # Left inside backward: autograd puts back the thread's hooks as they were
-                # when backward started, this pair included, once backward ends.
-                engine.mark_stale_hooks(threading.get_ident())
-            engine.end_forward()
-            if isinstance(exc, torch.OutOfMemoryError):
-                # The same exception goes on, with lmsrt's context added to its message.
-                engine.annotate_oom(exc, "in forward")
+            self._engine.exit(recorder, exc)
 
     def stats(self) -> Dict[str, object]:
         """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""
@@ -330,7 +220,8 @@ class LMS:
             | {"steps": 0},
             "rebuild_refused": self._engine.rebuilds.refusals()
             if self._engine and self._engine.rebuilds else {},
-            "history": [s.as_dict() for s in self._engine.run_stats.history] if self._engine else [],
+            "history": [s.as_dict() for s in self._engine.run_stats.history]
+            if self._engine else [],
             "regions": self._regions.stats() if self._regions else None,
         }
 

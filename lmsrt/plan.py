@@ -2,16 +2,18 @@
 
 A step records the sizes of the storages it saves, in save order. If the next step repeats the
 sequence (same sizes in the same order), it follows the plan: it offloads the storages before
-``cutoff`` (or those ``chosen``), the *earliest* ones, which backward needs last, so their copies have the whole rest of
+``cutoff`` (or those ``chosen``), the *earliest* ones, which backward needs last, so their
+copies have the whole rest of
 forward to go out and most of backward to come back. How far the cutoff reaches is the policy's
-decision (policy.py: a fixed mark's target in bytes, or the smallest cutoff whose predicted peak
+decision (policy/: a fixed mark's target in bytes, or the smallest cutoff whose predicted peak
 fits). A sequence that differs (dynamic shapes) makes the rest of that step reactive and is
 recorded for the next one. The sequence a step is matched against is the last step's, unless the
 policy planned for another (``expect``: the sequence its profile learnt); a step that differs
 from it by a larger storage, or by more of them, has ``grown`` from there on.
 
-Storages that the engine may rebuild in backward instead of moving (``rebuildable``: engine.py,
-NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes them first.
+Storages that the engine may rebuild in backward instead of moving (``rebuildable``:
+engine/recipes.py, NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes
+them first.
 
 Storages that outlived last step's backward anyway (an input batch, a buffer, a frozen weight
 held as a tensor) are kept: copying them out frees nothing. That set is relearnt every

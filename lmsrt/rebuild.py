@@ -5,7 +5,7 @@ Many tensors autograd saves are cheap, deterministic functions of other tensors 
 available anyway: GELU's output (the input of the next Linear) from GELU's input, which GELU
 saves itself; a LayerNorm's output from its input, which LayerNorm saves; under autocast, a
 weight's bf16 copy from its fp32 parameter. Running the same kernel on the same inputs again in
-backward costs one memory-bound kernel; moving the tensor costs two PCIe copies (DESIGN.md: the
+backward costs one memory-bound kernel; moving the tensor costs two PCIe copies (docs/design.md: the
 transfer floor). A ``Recorder`` (a TorchDispatchMode, so below autograd: it sees the kernels that
 run, not the Python that called them) notes, for the output of each op in ``REBUILDABLE``, the
 op, its arguments, and each tensor argument's storage (by weak reference: a recipe keeps
@@ -33,12 +33,14 @@ import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
-                                         _get_current_dispatch_mode, _pop_mode)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+)
 
 from .options import spelled
 
-__all__ = ["REBUILDABLE", "Recipe", "Recorder", "Rebuilds", "census", "view_of"]
+__all__ = ["REBUILDABLE", "Recipe", "Recorder", "RecipeTable", "census", "view_of"]
 
 _aten = torch.ops.aten
 
@@ -85,6 +87,7 @@ class _Scratch(NamedTuple):
 _DEPTH = 3             # ops a chain of recipes may reach back (LayerNorm, then a cast)
 _TENSOR = object()      # where a tensor argument goes, in a recipe's flattened arguments
 # Autocast must not touch a rebuild: the recorded op is the one that ran below it.
+_Exclude = torch._C._ExcludeDispatchKeyGuard
 _AUTOCAST = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
              | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA))
 
@@ -160,7 +163,7 @@ class Recipe:
     arguments given by ``inputs`` (NOTE [ Recipes ])."""
 
     __slots__ = ("func", "nargs", "keys", "flat", "inputs", "index", "version", "dtype", "size",
-                 "stride", "offset", "nbytes", "device", "held", "_signature", "__weakref__")
+                 "stride", "offset", "nbytes", "device", "retained", "_signature", "__weakref__")
 
     def __init__(self, func, args, kwargs, op: _Op, out: torch.Tensor,
                  describe: Callable[[torch.Tensor], _Input] = lambda t: _Input(t, None)):
@@ -178,7 +181,7 @@ class Recipe:
         self.dtype, self.size, self.stride = out.dtype, tuple(out.shape), out.stride()
         self.offset = out.storage_offset()
         self.nbytes = out.untyped_storage().nbytes()
-        self.held: Optional[tuple] = None    # its inputs' storages, while a check may want them
+        self.retained: Optional[tuple] = None   # its inputs' storages, while a check may want them
         self._signature = None
 
     @property
@@ -221,18 +224,18 @@ class Recipe:
                 return False
         return True
 
-    def hold(self) -> None:
+    def retain_inputs(self) -> None:
         """Keep the inputs' storages alive until ``let_go``: a check in forward reads them
         where the engine has already let them go (a GELU's input, copied out before the GELU's
         output is saved)."""
-        self.held = tuple(i.storage_ref() for i in self.inputs
+        self.retained = tuple(i.storage_ref() for i in self.inputs
                           if i.parameter is None and not i.inplace)
 
     def let_go(self) -> None:
-        """Stop holding the inputs, this recipe's and those of the recipes it reaches."""
-        self.held = None
+        """Stop retaining the inputs, this recipe's and those of the recipes it reaches."""
+        self.retained = None
         for inp in self.inputs:
-            if inp.recipe is not None and inp.recipe.held is not None:
+            if inp.recipe is not None and inp.recipe.retained is not None:
                 inp.recipe.let_go()
 
     def walk(self):
@@ -272,7 +275,7 @@ class Recipe:
     def run(self, flat: list) -> torch.Tensor:
         """Run the op on ``arguments``' result; return the output it rebuilds."""
         n = self.nargs
-        with torch.no_grad(), _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+        with torch.no_grad(), _disable_current_modes(), _Exclude(_AUTOCAST):
             out = self.func(*flat[:n], **dict(zip(self.keys, flat[n:])))
         if isinstance(out, (tuple, list)):
             out = out[self.index]
@@ -294,12 +297,12 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, recipes: Optional[RecipeTable] = None,
                  entry_of: Callable[[torch.Tensor], object] = lambda t: None,
-                 holding: Callable[[], bool] = lambda: False,
+                 retaining: Callable[[], bool] = lambda: False,
                  noting: Callable[[], bool] = lambda: True):
         super().__init__()
         self._recipes = RecipeTable() if recipes is None else recipes
         self._entry_of = entry_of
-        self._holding = holding      # whether new recipes hold their inputs (``Recipe.hold``)
+        self._retaining = retaining   # whether new recipes retain their inputs (``retain_inputs``)
         self._noting = noting        # whether to note recipes at all (the step may rebuild)
 
     @classmethod
@@ -345,8 +348,8 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _note(self, made: torch.Tensor, recipe: Recipe) -> None:
-        if self._holding():
-            recipe.hold()
+        if self._retaining():
+            recipe.retain_inputs()
         self._recipes.note(made.untyped_storage(), recipe)
 
     def _input(self, t: torch.Tensor) -> _Input:
@@ -416,10 +419,10 @@ class _Key(weakref.ref):
 
 class RecipeTable(dict):
     """Recipes by output storage: ``id(storage) -> (_Key, Recipe)``, for the recorders of all
-    threads. A storage's death queues its reference by a deque's C ``append``: no Python frame
-    runs while autograd frees a graph, so a Ctrl-C cannot land in one and be lost as an
-    "Exception ignored" (NOTE [ Interrupts and versions ] in engine.py). ``note`` and ``sweep``
-    drop the dead entries later; until then a lookup tells a dead one by its reference."""
+    threads. A storage's death queues its reference by a deque's C ``append``: no Python frame runs
+    while autograd frees a graph, so a Ctrl-C cannot land in one and be lost as an "Exception
+    ignored" (NOTE [ Interrupts and versions ] in engine/records.py). ``note`` and ``sweep`` drop
+    the dead entries later; until then a lookup tells a dead one by its reference."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -446,188 +449,6 @@ class RecipeTable(dict):
             found = self.get(ref.key)
             if found is not None and found[0] is ref:    # not a new storage at the same id
                 self.pop(ref.key, None)
-
-
-# A rebuild is worth it while it takes less GPU time than the two copies it saves (out in
-# forward, back in backward): their bytes over the link each way (half the ~55 GB/s measured for
-# pinned copies: a bound no listed op comes near; they are memory-bound, ~100x faster) and each
-# copy's own cost beside its bytes (pack_overhead on an H200: a swapped tensor costs ~50 us more
-# than one kept). The rebuild is timed by events around it: on an idle GPU that includes its
-# launch, which for a small tensor is most of it.
-_LINK_BYTES_PER_S = 25e9
-_COPY_FIXED_S = 25e-6
-# A rebuild's events also time whatever ran beside it: backward's kernels on the compute stream
-# while it runs on a side stream, the learning step's copies. Measured on an H200 (an LM's gelu,
-# 128 MiB): 18.9 ms in the first step of one run, fast enough to be rebuilt in another; refused
-# on that one reading, the run moved 3 GiB more a step, 30% slower. So a signature is refused for
-# speed only when the fastest of its first _SAMPLES timings is slower than its copies.
-_SAMPLES = 3
-
-
-class Rebuilds:
-    """What a swap engine knows of rebuilding (NOTE [ Recipes ]): the recipe table its threads'
-    recorders write, which signatures have been checked bit for bit, and the rebuilds' GPU time.
-
-    A signature is trusted only after a rebuild of it matched the original bit for bit on this
-    device. In forward, while the original and its inputs are still on the GPU and there is room
-    for a second copy, the engine rebuilds and compares at once (``check_now``, one device sync
-    per signature). Else it swaps the tensor as usual and, when backward brings it back,
-    rebuilds it too and compares (``check``); those comparisons are read once, at the end of the
-    step (``finish_step``). A mismatch, and that signature is never rebuilt again in this run;
-    so too once the fastest of its first ``_SAMPLES`` rebuilds was slower than the two copies it
-    saves."""
-
-    def __init__(self, device, entry_of: Callable[[torch.Tensor], object]):
-        self.device = device
-        self.recipes = RecipeTable()
-        self.entry_of = entry_of
-        self.trusted: set = set()
-        self.refused: Dict[tuple, str] = {}      # signature -> why it is not rebuilt
-        self._checks: list = []                  # (recipe, differs?, start, end), this step
-        self._timed_runs: list = []              # (signature, bytes, start, end): rebuilds
-        self._fastest: Dict[tuple, list] = {}    # signature -> [fastest s, timings] (_SAMPLES)
-        self._checked_now = 0                    # checks made in forward, this step
-        self._mismatched: set = set()            # ops whose check did not match, this step
-        self.holding = False                     # new recipes hold their inputs (the engine sets)
-        self.noting = True                       # recorders note recipes (the engine sets)
-
-    def recorder(self) -> Recorder:
-        """A recorder for one thread, writing this table."""
-        return Recorder(self.recipes, self.entry_of, lambda: self.holding, lambda: self.noting)
-
-    def pop_stale_recorder(self) -> None:
-        """Take off this thread's mode stack a recorder of this table that autograd put back:
-        ``with lms:`` was left inside backward, which restores the thread's modes as they were
-        when it began (the recorder's own exit already ran)."""
-        top = _get_current_dispatch_mode()
-        if isinstance(top, Recorder) and top._recipes is self.recipes:
-            _pop_mode()
-
-    def usable(self, t: torch.Tensor, available: Callable[[_Input], bool]) -> Optional[Recipe]:
-        """The recipe of saved tensor ``t`` if there is one, not refused, whose inputs are all
-        ``available``."""
-        storage = t.untyped_storage()
-        found = self.recipes.get(id(storage))
-        if found is None or found[0]() is not storage:
-            return None
-        recipe = found[1]
-        if not recipe.fits(t) or recipe.signature in self.refused:
-            return None
-        return recipe if recipe.inputs_saved(available) else None
-
-    def let_go(self, storage=None) -> None:
-        """Let the recipe of ``storage`` (every recipe, by default) stop holding its inputs."""
-        if storage is not None:
-            found = self.recipes.get(id(storage))
-            if found is not None and found[1].held is not None:
-                found[1].let_go()
-            return
-        self.recipes.sweep()
-        for _, recipe in list(self.recipes.values()):
-            if recipe.held is not None:
-                recipe.let_go()
-
-    def _timed(self, recipe: Recipe, resolve) -> tuple:
-        """(output, start, end): ``recipe`` run between two timing events, its inputs brought
-        back first (not the rebuild's time)."""
-        args = recipe.arguments(resolve)
-        start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
-        start.record()
-        out = recipe.run(args)
-        end.record()
-        return out, start, end
-
-    def run(self, recipe: Recipe, resolve: Callable[[_Input], Optional[torch.Tensor]]):
-        """Rebuild ``recipe``'s output (timed on the GPU)."""
-        out, start, end = self._timed(recipe, resolve)
-        self._timed_runs.append((recipe.signature, recipe.nbytes, start, end))
-        return out
-
-    def check(self, recipe: Recipe, original, resolve: Callable[[_Input], Optional[torch.Tensor]]
-              ) -> None:
-        """Rebuild ``recipe``'s output and queue a bitwise comparison with the ``original``
-        storage on the GPU; read at the end of the step."""
-        out, start, end = self._timed(recipe, resolve)
-        differs = torch.ne(_words(out.untyped_storage()), _words(original)).any()
-        self._checks.append((recipe, differs, start, end))
-
-    def check_now(self, recipe: Recipe, original,
-                  resolve: Callable[[_Input], Optional[torch.Tensor]]) -> None:
-        """Rebuild ``recipe``'s output, compare it with the ``original`` storage and judge its
-        signature at once (one device sync): in forward, where the original is still on the GPU
-        and need not be copied out for a check in backward. Raises what the rebuild raises (an
-        input not at hand): then nothing is judged."""
-        out, start, end = self._timed(recipe, resolve)
-        differs = bool(torch.ne(_words(out.untyped_storage()), _words(original)).any())
-        del out
-        self._judge(recipe, differs, start.elapsed_time(end) / 1e3)
-        self._checked_now += 1
-
-    def _judge(self, recipe: Recipe, differs: bool, took: float) -> None:
-        """Trust or refuse ``recipe``'s signature by one check that took ``took`` seconds."""
-        sig = recipe.signature
-        if differs:
-            self.refused[sig] = "did not rebuild bit for bit"
-            self.trusted.discard(sig)
-            self._mismatched.add(recipe.name)
-            return
-        if sig not in self.refused:
-            self.trusted.add(sig)
-            self._timed_once(sig, recipe.nbytes, took)
-
-    def _timed_once(self, sig: tuple, nbytes: int, took: float) -> None:
-        """One timing of a trusted signature's rebuild of ``nbytes``: refused once the fastest
-        of its first ``_SAMPLES`` is slower than its copies (see _SAMPLES)."""
-        fastest = self._fastest.setdefault(sig, [float("inf"), 0])
-        if fastest[1] >= _SAMPLES or sig not in self.trusted:
-            return
-        fastest[0], fastest[1] = min(fastest[0], took), fastest[1] + 1
-        copies = 2 * (_COPY_FIXED_S + nbytes / _LINK_BYTES_PER_S)
-        if fastest[1] == _SAMPLES and fastest[0] > copies:
-            self.refused[sig] = (f"rebuilt in {fastest[0] * 1e3:.3f} ms at best of {_SAMPLES}, "
-                                 f"slower than its copies ({copies * 1e3:.3f} ms)")
-            self.trusted.discard(sig)
-
-    def finish_step(self) -> tuple:
-        """Read this step's comparisons (one device sync when there were any) and the rebuilds'
-        time; return (rebuild ms, checks made, names of the ops that did not match)."""
-        checks, self._checks = self._checks, []
-        made, self._checked_now = self._checked_now + len(checks), 0
-        mismatched, self._mismatched = self._mismatched, set()
-        if checks:
-            self.device.synchronize()   # the comparisons ran on backward's streams
-        ms, pending = 0.0, []
-        for sig, nbytes, start, end in self._timed_runs:
-            if end.query():
-                took = start.elapsed_time(end)
-                ms += took
-                self._timed_once(sig, nbytes, took / 1e3)
-            else:
-                pending.append((sig, nbytes, start, end))
-        self._timed_runs = pending
-        if checks:
-            differs = torch.stack([d for _, d, _, _ in checks]).cpu().tolist()
-            for (recipe, _, start, end), bad in zip(checks, differs):
-                self._judge(recipe, bad, start.elapsed_time(end) / 1e3)
-            mismatched |= self._mismatched
-            self._mismatched = set()
-        return ms, made, sorted(mismatched)
-
-
-    def refusals(self) -> Dict[str, str]:
-        """Why each op is not rebuilt, by op name (a signature's first item is its op)."""
-        return {sig[0].overloadpacket.__name__: why for sig, why in self.refused.items()}
-
-
-def _words(storage) -> torch.Tensor:
-    """``storage``'s bytes as the widest integers that tile them: comparing two storages then
-    makes a mask of an eighth of their bytes, not of as many."""
-    n = storage.nbytes()
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if n % size == 0:
-            return _view(storage, dtype, 0, (n // size,), (1,))
-    return _view(storage, torch.uint8, 0, (n,), (1,))
 
 
 def view_of(rebuilt: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,13 @@ from typing import Deque, Dict
 
 from .units import format_bytes
 
-__all__ = ["StepStats", "RunStats", "format_brief", "format_summary", "moved", "HISTORY_STEPS"]
+__all__ = ["StepStats", "RunStats", "SUMMED", "format_brief", "format_summary", "moved",
+           "HISTORY_STEPS"]
+
+
+def _summed(default):
+    """A field of ``StepStats`` that adds up over steps (in ``SUMMED``)."""
+    return dataclasses.field(default=default, metadata={"summed": True})
 
 
 @dataclasses.dataclass
@@ -15,64 +21,76 @@ class StepStats:
     """What one step (one ``with lms:`` forward and the backward after it) did."""
 
     step: int = 0
-    mode: str = "off"              # "reactive" (step 1, or a changed sequence) or "plan"
-    plan_target_bytes: int = 0     # bytes the plan meant to offload (earliest saved first)
-    out_bytes: int = 0             # swapped out to pinned host memory
-    out_tensors: int = 0           # storages swapped out (views of one storage count once)
-    beyond_plan_bytes: int = 0     # of which the plan meant to keep: GPU use stood over the
-                                   # policy's level when they were saved
-    kept_bytes: int = 0            # eligible but kept on the GPU
-    kept_tensors: int = 0
-    skipped_tensors: int = 0       # saved tensors not eligible (small, parameters, other devices)
-    live_bytes: int = 0            # eligible but alive anyway (the caller holds them): kept from
-                                   # the step after, used in place if already swapped
-    live_tensors: int = 0
-    recipe_bytes: int = 0          # offloaded without a copy: rebuilt in backward (recompute)
-    recipe_tensors: int = 0
-    rebuilt_bytes: int = 0         # rebuilt in backward from their inputs
-    rebuilt_tensors: int = 0
-    rebuild_ms: float = 0.0        # GPU time of those rebuilds
-    rebuild_checks: int = 0        # rebuilds checked bit for bit against a copy
-    in_bytes: int = 0              # brought back for backward
-    in_tensors: int = 0
-    prefetch_hits: int = 0         # needed tensor was already fetched ahead
-    prefetch_misses: int = 0       # needed tensor was fetched on demand
-    swapin_wait_ms: float = 0.0    # time the compute stream waited on swap-in copies
-    swapout_waits: int = 0         # times forward waited on a swap-out to stay under the mark
-    host_refused: int = 0          # swap-outs refused by the host budget (kept on the GPU)
-    alloc_retries: int = 0         # times the CUDA allocator had to free its cache to go on
-    alloc_failures: int = 0        # allocations that failed at the limit and were caught (cuDNN
-                                   # then runs a slower algorithm, and keeps it for the run)
-    prefetch_dropped: int = 0      # restored copies given back unused: use ran over the plan
-    gpu_peak_bytes: int = 0        # peak allocated GPU memory of the step
-    forward_end_bytes: int = 0     # GPU use when forward ended, net of copies still in flight
-    host_pinned_bytes: int = 0     # pinned host memory held at the end of the step
-    host_peak_bytes: int = 0       # peak pinned bytes in use
-    host_pin_s: float = 0.0        # seconds spent pinning host memory (all pinning threads)
-    host_pin_wait_s: float = 0.0   # of which the training thread waited for a pin to finish
-    host_lagged: int = 0           # swap-outs kept on the GPU while the pins they needed ran
-    deferred_tensors: int = 0      # of which forward went on, their copies started once the pins
-                                   # landed (those still without one at forward's end: kept)
-    host_given_back_bytes: int = 0  # pinned bytes unregistered and freed (use had shrunk)
-    host_pins_in_flight: int = 0   # pins under way at the end of the step
-    bound_bytes: int = 0           # the level lmsrt kept use under: lms_frac x the limit, or under
-                                   # lms_frac="auto" the limit less the headroom
-    headroom_bytes: int = 0        # auto: room kept free under the limit (fragmentation, error)
-    predicted_peak_bytes: int = 0  # auto: the peak the plan predicted for this step
-    policy_note: str = ""          # auto: what the policy learnt or changed after this step
+    mode: str = "off"                     # "reactive" (step 1, or a changed sequence) or "plan"
+    plan_target_bytes: int = 0            # bytes the plan meant to offload (earliest saved first)
+    out_bytes: int = _summed(0)           # swapped out to pinned host memory
+    out_tensors: int = _summed(0)         # storages swapped out (views of one storage count once)
+    beyond_plan_bytes: int = _summed(0)   # of which the plan meant to keep: GPU use stood over the
+                                          # policy's level when they were saved
+    kept_bytes: int = _summed(0)          # eligible but kept on the GPU
+    kept_tensors: int = _summed(0)
+    skipped_tensors: int = _summed(0)     # saved tensors not eligible (small, parameters, other
+                                          # devices)
+    live_bytes: int = _summed(0)          # eligible but alive anyway (the caller holds them): kept
+                                          # from the step after, used in place if already swapped
+    live_tensors: int = _summed(0)
+    recipe_bytes: int = _summed(0)        # offloaded without a copy: rebuilt in backward
+                                          # (recompute)
+    recipe_tensors: int = _summed(0)
+    rebuilt_bytes: int = _summed(0)       # rebuilt in backward from their inputs
+    rebuilt_tensors: int = _summed(0)
+    rebuild_ms: float = _summed(0.0)      # GPU time of those rebuilds
+    rebuild_checks: int = _summed(0)      # rebuilds checked bit for bit against a copy
+    in_bytes: int = _summed(0)            # brought back for backward
+    in_tensors: int = _summed(0)
+    prefetch_hits: int = _summed(0)       # needed tensor was already fetched ahead
+    prefetch_misses: int = _summed(0)     # needed tensor was fetched on demand
+    swapin_wait_ms: float = _summed(0.0)  # time the compute stream waited on swap-in copies
+    swapout_waits: int = _summed(0)       # times forward waited on a swap-out to stay under the
+                                          # mark
+    host_refused: int = _summed(0)        # swap-outs refused by the host budget (kept on the GPU)
+    alloc_retries: int = _summed(0)       # times the CUDA allocator had to free its cache to go on
+    alloc_failures: int = _summed(0)      # allocations that failed at the limit and were caught
+                                          # (cuDNN then runs a slower algorithm, and keeps it for
+                                          # the run)
+    prefetch_dropped: int = _summed(0)    # restored copies given back unused: use ran over the plan
+    gpu_peak_bytes: int = 0               # peak allocated GPU memory of the step
+    forward_end_bytes: int = 0            # GPU use when forward ended, net of copies still in
+                                          # flight
+    host_pinned_bytes: int = 0            # pinned host memory held at the end of the step
+    host_peak_bytes: int = 0              # peak pinned bytes in use
+    host_pin_s: float = _summed(0.0)      # seconds spent pinning host memory (all pinning threads)
+    host_pin_wait_s: float = _summed(0.0)  # of which the training thread waited for a pin
+    host_lagged: int = _summed(0)         # swap-outs kept on the GPU while the pins they needed ran
+    deferred_tensors: int = _summed(0)    # of which forward went on, their copies started once the
+                                          # pins landed (those still without one at forward's end:
+                                          # kept)
+    # pinned bytes unregistered and freed (use had shrunk)
+    host_given_back_bytes: int = _summed(0)
+    host_pins_in_flight: int = 0          # pins under way at the end of the step
+    bound_bytes: int = 0                  # the level lmsrt kept use under: lms_frac x the limit, or
+                                          # under lms_frac="auto" the limit less the headroom
+    headroom_bytes: int = 0               # auto: room kept free under the limit (fragmentation,
+                                          # error)
+    predicted_peak_bytes: int = 0         # auto: the peak the plan predicted for this step
+    policy_note: str = ""                 # auto: what the policy learnt or changed after this step
+
+    def count_kept(self, nbytes: int, tensors: int = 1, live: bool = False) -> None:
+        """``tensors`` eligible storages of ``nbytes`` in all stayed on the GPU (``live``: alive
+        anyway, the caller holds them)."""
+        if live:
+            self.live_bytes += nbytes
+            self.live_tensors += tensors
+        else:
+            self.kept_bytes += nbytes
+            self.kept_tensors += tensors
 
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
 
 
-_SUMMED = ("out_bytes", "out_tensors", "beyond_plan_bytes", "kept_bytes", "kept_tensors",
-           "skipped_tensors",
-           "live_bytes", "live_tensors", "recipe_bytes", "recipe_tensors", "rebuilt_bytes",
-           "rebuilt_tensors", "rebuild_ms", "rebuild_checks", "in_bytes",
-           "in_tensors", "prefetch_hits", "prefetch_misses", "prefetch_dropped", "swapin_wait_ms", "swapout_waits",
-           "host_refused", "alloc_retries", "alloc_failures", "host_pin_s", "host_pin_wait_s", "host_lagged",
-           "deferred_tensors",
-           "host_given_back_bytes")
+# The fields that add up over steps (``RunStats`` keeps their sums), read from the marks above.
+SUMMED = tuple(f.name for f in dataclasses.fields(StepStats) if f.metadata.get("summed"))
 
 
 # Finished steps kept for ``LMS.stats()["history"]``. A run of a million steps must not grow by a
@@ -87,14 +105,14 @@ class RunStats:
     history: Deque[StepStats] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=HISTORY_STEPS))
     steps: int = 0
-    sums: Dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(_SUMMED, 0))
+    sums: Dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(SUMMED, 0))
     gpu_peak_bytes: int = 0
     host_peak_bytes: int = 0
 
     def add(self, step: StepStats) -> None:
         self.history.append(step)
         self.steps += 1
-        for name in _SUMMED:
+        for name in SUMMED:
             self.sums[name] += getattr(step, name)
         self.gpu_peak_bytes = max(self.gpu_peak_bytes, step.gpu_peak_bytes)
         self.host_peak_bytes = max(self.host_peak_bytes, step.host_peak_bytes)
@@ -103,7 +121,7 @@ class RunStats:
         """Sums over the finished steps and ``current`` (the step in flight, if any)."""
         live = [current] if current.step else []
         total: Dict[str, object] = {name: self.sums[name] + sum(getattr(s, name) for s in live)
-                                    for name in _SUMMED}
+                                    for name in SUMMED}
         total["steps"] = self.steps + len(live)
         total["gpu_peak_bytes"] = max([self.gpu_peak_bytes] + [s.gpu_peak_bytes for s in live])
         total["host_peak_bytes"] = max([self.host_peak_bytes] + [s.host_peak_bytes for s in live])

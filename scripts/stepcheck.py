@@ -25,8 +25,9 @@ def _frac(text: str):
 
 def run_one(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: int) -> dict:
     import torch
-    import lmsrt
     from workloads import build
+
+    import lmsrt
 
     if cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -74,7 +75,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         method, cap, frac = args.child.split(":")
-        print(json.dumps(run_one(args.workload, method, float(cap), _frac(frac), args.steps, args.warmup)))
+        print(json.dumps(run_one(args.workload, method, float(cap), _frac(frac), args.steps,
+                                 args.warmup)))
         return
     cases = [("none", 0, 0), ("none", args.cap_gib, 0), ("lms", args.cap_gib, 0.0)]
     cases += [("lms", args.cap_gib, _frac(f)) for f in args.fracs.split(",") if f]
@@ -91,7 +93,8 @@ def main() -> None:
             res = {"outcome": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
         res.update(method=method, cap_gib=cap, lms_frac=frac)
         rows.append(res)
-        print(f"  {method:12} cap={cap or '-':>4} frac={frac!s:<4} -> {res.get('outcome')}", flush=True)
+        print(f"  {method:12} cap={cap or '-':>4} frac={frac!s:<4} -> {res.get('outcome')}",
+              flush=True)
     ref = next((r["step_s"] for r in rows if r["method"] == "none" and not r["cap_gib"]
                 and r["outcome"] == "ok"), None)
     print(f"\n{args.workload}: step time and peak allocated (median of {args.steps} steps)")
@@ -100,17 +103,20 @@ def main() -> None:
     for r in rows:
         ok = r["outcome"] == "ok"
         ratio = f"{r['step_s'] / ref:6.2f}" if ok and ref else f"{'-':>6}"
-        print(f"{r['method']:12} {r['cap_gib'] or '-':>8} {r['lms_frac'] if r['method'] == 'lms' else '-':>8} "
+        frac = r["lms_frac"] if r["method"] == "lms" else "-"
+        print(f"{r['method']:12} {r['cap_gib'] or '-':>8} {frac:>8} "
               f"{r['outcome']:>8} {r['step_s'] if ok else float('nan'):8.3f} {ratio} "
               f"{r.get('peak_gib', float('nan')):9.2f} {r.get('out_gib', 0):8.2f} "
-              f"{r.get('mode', '-'):>9} {str(r.get('hits', '-')) + '/' + str(r.get('misses', '-')):>9}")
+              f"{r.get('mode', '-'):>9} "
+              f"{str(r.get('hits', '-')) + '/' + str(r.get('misses', '-')):>9}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         with open(os.path.splitext(args.json)[0] + "-summaries.txt", "w") as f:
             for r in rows:
                 if "summary" in r:
-                    f.write(f"== {r['method']} cap={r['cap_gib']} lms_frac={r['lms_frac']}\n{r['summary']}\n\n")
+                    f.write(f"== {r['method']} cap={r['cap_gib']} lms_frac={r['lms_frac']}\n"
+                            f"{r['summary']}\n\n")
 
 
 if __name__ == "__main__":

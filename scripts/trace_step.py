@@ -1,6 +1,7 @@
 """Profile a few steps of a benchmark workload and print where GPU time goes.
 
-    PYTHONPATH=. python scripts/trace_step.py --workload seg --cap-gib 12 --lms-frac 0.5 [--trace out.json]
+    PYTHONPATH=. python scripts/trace_step.py --workload seg --cap-gib 12 --lms-frac 0.5 \
+        [--trace out.json]
 
 Without --lms-frac it runs without lmsrt. Prints the top CUDA kernels and copies by total time.
 """
@@ -15,9 +16,9 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")]
 
 import torch  # noqa: E402
+from workloads import build  # noqa: E402
 
 import lmsrt  # noqa: E402
-from workloads import build  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +42,8 @@ def main() -> None:
     with torch.profiler.profile(activities=acts) as prof:
         work.step(ctx)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
+                                    max_name_column_width=60))
     if args.trace:
         prof.export_chrome_trace(args.trace)
 

@@ -35,7 +35,7 @@ def make_lms(kind: str, capacity: int = 1 << 30, copy_lag: int = 0, pin_limit=No
 def pins_at_hand(lms: lmsrt.LMS, nbytes: int = 256 << 20) -> None:
     """Pin ``nbytes`` of host memory now, as a run has after its first steps. On a real GPU the
     tests' small models use so little of it that a first step defers its swaps while pins run
-    (engine.py, NOTE [ Deferred copies ]) and may move nothing; tests of what swapping does
+    (engine/deferred.py, NOTE [ Deferred copies ]) and may move nothing; tests of what swapping does
     need their copies made."""
     pool = lms._engine.host
     pool.reserve(nbytes)

@@ -13,17 +13,24 @@ import weakref
 
 import pytest
 import torch
+from models import (
+    assert_same,
+    lmsrt_warnings,
+    make_lms,
+    torch_device,
+    train_step,
+    transformer,
+)
+from processes import clean_env, write
 from torch import nn
 
 import lmsrt.compiled
 import lmsrt.lms
+import lmsrt.say
 from lmsrt.compiled import repeated_blocks
-from models import DEVICES, assert_same, lmsrt_warnings, make_lms, torch_device, train_step, \
-    transformer
-from processes import clean_env, write
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from workloads import GPT2LM, GPTBlock  # noqa: E402
+from workloads import GPT2LM, GPTBlock
 
 
 class _Nested(nn.Module):
@@ -54,7 +61,7 @@ def _fresh_live_engines(monkeypatch):
     gc.collect()
     monkeypatch.setattr(lmsrt.lms, "_live_engines", weakref.WeakSet())
     monkeypatch.setattr(lmsrt.compiled, "_regional_models", 0)
-    monkeypatch.setattr(lmsrt.lms, "_said", set())          # each test sees its said-once lines
+    monkeypatch.setattr(lmsrt.say, "_said", set())          # each test sees its said-once lines
 
 
 def _check_regional(kind, backend, monkeypatch):
@@ -71,7 +78,7 @@ def _check_regional(kind, backend, monkeypatch):
     same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     try:
         whole = train_step(compiled, x, lms=same_hooks)
-    except Exception as e:              # no C++ compiler, or no Triton for this GPU
+    except Exception as e:  # noqa: BLE001 - no C++ compiler, or no Triton for this GPU
         pytest.skip(f"torch.compile(backend={backend!r}) is not available here: "
                     f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     assert not compiled.forward.regional
@@ -133,8 +140,8 @@ def test_reduce_overhead_model_under_lms(monkeypatch):
 
 
 def test_no_lms_compiles_whole(monkeypatch):
-    from torch._dynamo.testing import CompileCounter
     import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
     _fresh_live_engines(monkeypatch)
     torch._dynamo.reset()
     counter = CompileCounter()
@@ -155,8 +162,8 @@ def test_no_lms_compiles_whole(monkeypatch):
 
 
 def test_a_torch_that_compiles_blocks_apart_keeps_the_model_whole(monkeypatch):
-    from torch._dynamo.testing import CompileCounter
     import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
     _fresh_live_engines(monkeypatch)
     monkeypatch.setattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False)
     torch._dynamo.reset()

@@ -11,11 +11,11 @@ import sysconfig
 import pytest
 import torch
 from click.testing import CliRunner
+from processes import clean_env
 from torch.utils import cpp_extension
 
 import lmsrt.copy_path as copy_path
 from lmsrt._cli import main
-from processes import clean_env
 
 # A process that finds a CUDA GPU (whether or not there is one), waits until its sibling is ready
 # too, so that both ask for the copy path at once, then loads it and says what it got.
@@ -35,7 +35,8 @@ BUILT = re.compile(r"lmsrt: building the C\+\+ copy path for torch \S+ \(once pe
                    r"\.\.\. built in \d+ s \((.+)\)")
 
 needs_tools = pytest.mark.skipif(bool(copy_path._missing_tool()),
-                                 reason=f"needs a C++ compiler and ninja: {copy_path._missing_tool()}")
+                                 reason="needs a C++ compiler and ninja: "
+                                 f"{copy_path._missing_tool()}")
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,8 @@ def compiles(monkeypatch):
     return calls
 
 
-def test_without_a_gpu_nothing_is_built_and_status_says_how(tmp_path, monkeypatch, capsys, compiles):
+def test_without_a_gpu_nothing_is_built_and_status_says_how(tmp_path, monkeypatch, capsys,
+                                                            compiles):
     monkeypatch.setattr(copy_path, "_gpu_present", lambda: False)
     assert copy_path.load() is None
     status = copy_path.status()

@@ -1,7 +1,6 @@
 """Checks that only mean something on a real GPU: races, peaks, leaks."""
 import pytest
 import torch
-
 from models import assert_same, make_lms, train_step, transformer
 
 pytestmark = pytest.mark.cuda

@@ -1,11 +1,21 @@
 """Exact gradients, swap counts, plan, prefetch and release, on the simulated device and CUDA."""
 import pytest
 import torch
+from models import (
+    DEVICES,
+    ViewsModel,
+    assert_same,
+    convnet,
+    make_lms,
+    mlp,
+    torch_device,
+    train_step,
+    transformer,
+)
 
 import lmsrt
+import lmsrt.say
 from lmsrt.device import SimulatedDevice
-from models import (DEVICES, ViewsModel, assert_same, convnet, make_lms, mlp, torch_device,
-                    train_step, transformer)
 
 
 def _check_exact(kind, build, shape, steps=3, **step_kw):
@@ -137,7 +147,7 @@ def test_first_step_swaps_all_then_plan_offloads_earliest(copy_lag):
 
     def spy(*args):
         s = swap_out(*args)
-        order.append(engine._index - 1)            # index of the storage in this forward
+        order.append(engine.state.index - 1)            # index of the storage in this forward
         return s
 
     engine._swap_out = spy
@@ -148,7 +158,7 @@ def test_first_step_swaps_all_then_plan_offloads_earliest(copy_lag):
         assert_same(ref, train_step(model, x, lms=lms))
         history.append((lms.stats()["last_step"]["mode"], list(order)))
     mode1, first = history[0]
-    assert mode1 == "reactive" and first == list(range(engine._index)), history
+    assert mode1 == "reactive" and first == list(range(engine.state.index)), history
     # Storage 0 is the input batch and the last one the output train_step holds, both alive
     # through backward anyway: swapping them frees nothing, so from step 2 they stay
     # (live_tensors); the plan swaps a prefix of the rest.
@@ -218,7 +228,8 @@ def test_dead_graph_returns_host_and_gpu_memory():
     with lms:
         pass
     assert engine.host.used_bytes == 0
-    assert all(s.dead for s in engine._order) or not engine._order
+    left = engine.outstanding(reap=False)
+    assert left["released"] == left["storages"]
 
 
 def test_retain_graph_keeps_host_copies_until_graph_dies():
@@ -270,7 +281,7 @@ def test_nested_with_is_refused():
 
 def test_no_gpu_is_a_noop_with_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(lmsrt.lms, "_said_no_gpu", False)     # said once per process
+    monkeypatch.setattr(lmsrt.say, "_said", set())     # said once per process: as in a new one
     with pytest.warns(RuntimeWarning, match="no CUDA device"):
         lms = lmsrt.LMS()
     assert not lms.enabled
@@ -295,7 +306,7 @@ def test_one_with_block_around_a_loop_finds_the_steps():
             assert all(torch.equal(a, p.grad) for a, p in zip(ref[1], model.parameters()))
     history = lms.stats()["history"]
     assert [s["mode"] for s in history] == ["reactive", "plan", "plan"]
-    assert len(lms._engine._order) <= 8
+    assert lms._engine.outstanding(reap=False)["storages"] <= 8
 
 
 def test_checkpoint_recompute_is_not_a_step_boundary():
@@ -332,7 +343,8 @@ def test_one_with_block_with_changing_depth_prefetches_each_step():
             ref_grads = torch.autograd.grad(ref, list(model[:depth].parameters()))
             out = model[:depth](x).square().mean()
             out.backward()
-            assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model[:depth].parameters()))
+            params = model[:depth].parameters()
+            assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, params))
     for step in lms.stats()["history"][1:] + [lms.stats()["last_step"]]:
         assert step["prefetch_misses"] <= 1, step
 

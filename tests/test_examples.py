@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from processes import ROOT, clean_env
 
 GPT = str(ROOT / "examples" / "train_gpt.py")

@@ -17,15 +17,14 @@ import weakref
 
 import pytest
 import torch
+from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, transformer
 
 import lmsrt
 import lmsrt.cache
-from lmsrt import host as host_module
+from lmsrt import host_memory as host_module  # the budget: psutil, cgroups
 from lmsrt.device import CudaDevice, Device, SimulatedDevice
 from lmsrt.host import HostPool
 from lmsrt.units import GiB, MiB
-from models import assert_same, lmsrt_warnings, make_lms, mlp, train_step, transformer
-
 
 
 def _until(condition, timeout=10.0):
@@ -465,10 +464,11 @@ def test_budget_caps_what_is_pinned_and_in_flight(threads):
             pool.new_step()
             slots = [pool.alloc(MiB, wait=True) for _ in range(30)]
             assert pool.pinned_bytes <= 10 * MiB
+            assert pool.refused == 20                  # counted per step (new_step resets it)
             for s in slots:
                 if s is not None:
                     pool.free(s)
-    assert sum(s is not None for s in slots) == 10 and pool.refused == 3 * 20
+    assert sum(s is not None for s in slots) == 10 and pool.figures()["host_refused"] == 20
     assert pool.pinned_bytes == 10 * MiB and device.pinned_total == 10 * MiB
     assert len(said) == 1 and "host memory budget" in said[0], said
     pool.close()
@@ -753,18 +753,17 @@ def test_deferred_swaps_without_a_pin_by_forwards_end_stay_on_the_gpu_exactly():
         assert first["out_bytes"] == 0 and first["host_pin_wait_s"] == 0, first
         assert first["kept_bytes"] > 0 and first["deferred_tensors"] > 0, first
         engine = lms._engine
-        with engine._lock:
-            engine._reap()                       # the handles that died in backward
-        assert engine._held_bytes == 0 and all(s.dead for s in engine._order)
+        left = engine.outstanding()              # after the handles that died in backward
+        assert left["held_bytes"] == 0 and left["released"] == left["storages"]
         dropped, _ = _lagging_lms()
         dropped._engine.host.device.pin_gate.clear()
         with dropped:
             model(x).sum()                       # a first forward whose graph is dropped
         engine = dropped._engine
-        assert engine._held_bytes > 0 and engine._deferred == collections.deque()
-        with engine._lock:
-            engine._reap()
-        assert engine._held_bytes == 0 and all(s.dead for s in engine._order)
+        left = engine.outstanding(reap=False)
+        assert left["held_bytes"] > 0 and left["deferred"] == 0
+        left = engine.outstanding()
+        assert left["held_bytes"] == 0 and left["released"] == left["storages"]
         dropped._engine.host.device.pin_gate.set()
         dropped.close()
     finally:

@@ -11,10 +11,16 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
+from models import (
+    DEVICES,
+    make_lms,
+    mlp,
+    rebuild_small_tensors,
+    run_threads,
+    torch_device,
+)
 
 from lmsrt.rebuild import RecipeTable
-from models import DEVICES, assert_same, make_lms, mlp, rebuild_small_tensors, run_threads, torch_device
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +37,8 @@ class _Racing(collections.deque):
 
     def __init__(self, n: int):
         super().__init__()
-        self.barrier, self.seen, self.armed = threading.Barrier(n, timeout=10), threading.local(), False
+        self.barrier = threading.Barrier(n, timeout=10)
+        self.seen, self.armed = threading.local(), False
 
     def popleft(self):
         if self.armed and not getattr(self.seen, "once", False):
@@ -53,7 +60,7 @@ def test_threads_sweeping_one_recipe_table_at_once_never_pop_an_empty_queue():
     def sweep():
         try:
             table.sweep()
-        except BaseException as e:              # reported by the main thread
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
     run_threads(sweep, [()] * 4)
@@ -71,7 +78,7 @@ def test_threads_noting_and_freeing_recipes_soak():
         try:
             for _ in range(3000):
                 table.note(torch.empty(1).untyped_storage(), None)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
     run_threads(work, [()] * 8, timeout=300)

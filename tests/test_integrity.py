@@ -20,13 +20,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import (
+    DEVICES,
+    assert_same,
+    make_lms,
+    mlp,
+    pins_at_hand,
+    run_threads,
+    torch_device,
+    train_step,
+    transformer,
+)
 from torch import nn
 
 import lmsrt
+from lmsrt.engine import forward as engine_module  # the room that makes handles
 from lmsrt.policy import FixedPolicy
-from lmsrt import engine as engine_module
-from models import (DEVICES, assert_same, make_lms, mlp, pins_at_hand, run_threads, torch_device,
-                    train_step, transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 INPLACE = "modified by an inplace operation"
@@ -193,7 +202,7 @@ class _Interrupt:
 
 
 BACKWARD_POINTS = [("engine", "_copy_in", 1), ("engine", "_copy_in", 2), ("device", "empty", 2)]
-FORWARD_POINTS = [("engine", "_copy_out", 2), ("module", "_producer", 3),
+FORWARD_POINTS = [("engine", "_copy_out", 2), ("module", "producer_of", 3),
                   ("device", "stream_key", 4), ("host", "alloc", 3), ("host", "free", 1),
                   ("host", "free", 4)]
 
@@ -271,7 +280,7 @@ def test_no_python_runs_when_autograd_drops_a_handle(lms_frac):
     "Exception ignored in __del__", and training go on after a Ctrl-C): handles have no
     __del__, and their watches, the recipe table's references (tanh's output has a recipe) and
     those of the learning step's profile (auto's first step) call a C function."""
-    assert not hasattr(engine_module._SwapRef, "__del__")
+    assert not hasattr(engine_module.SwapHandle, "__del__")
     lms = make_lms("sim", lms_frac=lms_frac)
     w = torch.randn(64, 64, requires_grad=True)
     with lms:
@@ -291,7 +300,7 @@ def test_no_python_runs_when_autograd_drops_a_handle(lms_frac):
     finally:
         sys.setprofile(None)
     assert not calls, calls
-    assert len(lms._engine._dead) >= 1
+    assert lms._engine.outstanding(reap=False)["dead_handles"] >= 1
 
 
 def test_lmsrt_run_exits_130_on_every_ctrl_c(tmp_path):
@@ -309,7 +318,8 @@ def test_lmsrt_run_exits_130_on_every_ctrl_c(tmp_path):
         "    y.sum().backward()\n"
         "    if step == 0:\n"
         "        os.write(3, b'ready')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                LMSRT_DEVICE="sim", LMSRT_LMS="1", LMSRT_LMS_FRAC="0")
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sigint_runs.py"),
                              str(script), "20"], capture_output=True, text=True, env=env,
@@ -383,7 +393,7 @@ def test_soak_threads_keep_counts_host_and_python_memory_flat():
         try:
             for _ in range(steps):
                 assert_same(refs[i], train_step(models[i], x, lms=lms))
-        except BaseException as e:           # reported by the main thread
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
     def run(steps):
@@ -406,7 +416,8 @@ def test_soak_threads_keep_counts_host_and_python_memory_flat():
     assert grown < 64 << 10, grown
     with lms:
         engine = lms._engine
-        assert engine.host.used_bytes == 0 and not engine._order and not engine._dead
+        left = engine.outstanding(reap=False)
+        assert engine.host.used_bytes == 0 and left["storages"] == left["dead_handles"] == 0
 
 
 # -- regions without hooks, kinds that cannot be swapped ---------------------------------------
@@ -452,7 +463,8 @@ def test_torch_func_script_under_lmsrt_run(tmp_path):
         "g = torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(w, torch.randn(4, 8))\n"
         "h = torch.func.hessian(lambda x: (x.sin() * w[0]).sum())(torch.randn(8))\n"
         "print('ok', tuple(g.shape), tuple(h.shape))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                LMSRT_DEVICE="sim")
     result = subprocess.run([sys.executable, "-m", "lmsrt", "run", "--lms", "1", "--lms-frac", "0",
                              str(script)], capture_output=True, text=True, env=env, timeout=120)
@@ -600,7 +612,8 @@ def _side_stream_step(W, lms=None):
     ctx = lms if lms is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
                                                                                lambda t: t)
     with ctx:
-        z0 = torch.randn(2048, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        seeded = torch.Generator("cuda").manual_seed(0)
+        z0 = torch.randn(2048, 2048, device="cuda", generator=seeded)
         s.wait_stream(current)
         with torch.cuda.stream(s):
             z = z0.exp()
@@ -684,7 +697,7 @@ def test_an_interrupt_before_a_handle_is_counted_leaves_the_engine_usable(monkey
     ref = train_step(model, x)
     lms = make_lms("sim")
     train_step(model, x, lms=lms)
-    real, calls = engine_module._Watch, []
+    real, calls = engine_module.Watch, []
 
     class _Unfinished(real):
         __slots__ = ()
@@ -695,7 +708,7 @@ def test_an_interrupt_before_a_handle_is_counted_leaves_the_engine_usable(monkey
                 raise KeyboardInterrupt
             super().__setattr__(name, value)
 
-    monkeypatch.setattr(engine_module, "_Watch", _Unfinished)
+    monkeypatch.setattr(engine_module, "Watch", _Unfinished)
     with pytest.raises(KeyboardInterrupt):
         train_step(model, x, lms=lms)
     monkeypatch.undo()

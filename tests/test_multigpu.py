@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from processes import ROOT, clean_env
 
 SCRIPTS = ROOT / "tests" / "scripts"

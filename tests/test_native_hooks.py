@@ -1,8 +1,8 @@
 """The C++ saved-tensor hooks (csrc/copy_path.cpp, ``Keeper``) that decide the packs of a step
-whose plan keeps everything (engine.py, NOTE [ Steps that keep everything ]). Built here against
-CPU torch and run on the simulated device, side by side with the Python hooks: the same
-decisions, counts and gradients; the Python hooks take over wherever the plan stops holding in
-the middle of a forward (a storage of another size, GPU use over the policy's level); autograd's
+whose plan keeps everything (engine/native.py, NOTE [ Steps that keep everything ]). Built here
+against CPU torch and run on the simulated device, side by side with the Python hooks: the same
+decisions, counts and gradients; the Python hooks take over wherever the plan stops holding in the
+middle of a forward (a storage of another size, GPU use over the policy's level); autograd's
 in-place error; and no cycle that would keep a dropped LMS alive."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import lmsrt.copy_path as copy_path
 from lmsrt.device import SimulatedDevice
 
 pytestmark = pytest.mark.skipif(bool(copy_path._missing_tool()),
-                                reason=f"needs a C++ compiler and ninja: {copy_path._missing_tool()}")
+                                reason="needs a C++ compiler and ninja: "
+                                f"{copy_path._missing_tool()}")
 
 KiB = 1 << 10
 
@@ -107,7 +108,7 @@ def _side_by_side(native_module, steps, before_step=None, capacity=1 << 30):
         if lms is not None:
             # GPU use read at every decision, as on a GPU with the copy path built (the
             # simulated device's reading would otherwise be estimated between readings).
-            lms._engine._exact_every = 0
+            lms._engine.gauge.every = 0
         net = Net(device)
         hook = None if before_step is None else (lambda i, net=net: before_step(i, net))
         runs[name] = (_run(net, lms, x, steps, hook), lms)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 from click.testing import CliRunner
+from processes import clean_env, write
 
 import lmsrt
 from lmsrt import units
@@ -16,7 +17,6 @@ from lmsrt._cli import run as run_cli
 from lmsrt.config import ENV_VARS, LMSConfig
 from lmsrt.options import AUTO, OPTIONS, env_value, format_setting, spelled
 from lmsrt.profiler import render
-from processes import clean_env, write
 
 # A value other than the default for each setting, as Python takes it.
 OTHER = {"lms": 64.0, "lms_frac": 0.5, "prefetch_mb": 16.0, "host_budget_gb": 2.0,

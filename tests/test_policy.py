@@ -1,4 +1,4 @@
-"""The swap policy (policy.py): lms_frac="auto" against scripted model memory on the simulated
+"""The swap policy (lmsrt/policy/): lms_frac="auto" against scripted model memory on the simulated
 device, which runs out of memory at its capacity like the caching allocator does at its limit.
 
 The model is a chain of layers that each save their input (the tensors lmsrt swaps), beside
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import assert_same, train_step, transformer
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.policy import AutoPolicy, Profile
-from models import assert_same, train_step, transformer
 
 MiB = 1 << 16          # scaled down: the sizes relate as MiB would, and run fast on a CPU
 
@@ -272,7 +272,7 @@ def test_a_storage_the_model_holds_anyway_costs_nothing_to_keep_while_it_does():
         policy.learning = False
         prof = _profile(fwd_own=[100] * 4, fwd_peak=[100] * 4, bwd_own=[0, 100, 100, 100],
                         bwd_peak=[520, 100, 100, 100], sizes=[100] * 4, last_use=[3, 2, 1, 0])
-        prof.held = held
+        prof.owned = held
         policy.profile = prof
         plan = OffloadPlan()
         plan.recorded, plan.planned = [100] * 4, True
@@ -535,7 +535,8 @@ def test_copies_fetched_ahead_make_way_when_backward_holds_more_than_predicted(m
     predicted it, and what the plan keeps cannot be given back (it did not fail before the
     swap levels counted, at each point, the storages the learning step had seen freed there:
     a level short by one storage swapped one the plan keeps, and left room by accident)."""
-    with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="failed at the memory limit"):
+    said = pytest.warns(RuntimeWarning, match="failed at the memory limit")
+    with monkeypatch.context() as m, said:
         _, stats, fell_back = _surprised(False, m)
     assert fell_back > 1
     assert sum(s["alloc_failures"] for s in _steps(stats)) == fell_back

@@ -1,6 +1,6 @@
 """Recipes for saved tensors (rebuild.py, NOTE [ Recipes ]): which saved tensors a cheap op made
-from inputs that stay available, and that running the op again gives the same bits; and the
-engine rebuilding them in backward instead of moving them (engine.py, NOTE [ Rebuilt storages ]),
+from inputs that stay available, and that running the op again gives the same bits; and the engine
+rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt storages ]),
 with gradients compared by torch.equal against the run without LMS."""
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from models import (
+    DEVICES,
+    Block,
+    assert_same,
+    lmsrt_warnings,
+    make_lms,
+    rebuild_small_tensors,
+    torch_device,
+    train_step,
+)
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import lmsrt
@@ -20,11 +30,9 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
 from lmsrt.rebuild import Recipe, Recorder, census, view_of
-from models import (DEVICES, Block, assert_same, lmsrt_warnings, make_lms, rebuild_small_tensors,
-                    torch_device, train_step)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from workloads import GPTBlock  # noqa: E402
+from workloads import GPTBlock
 
 
 @pytest.fixture(autouse=True)
@@ -207,15 +215,15 @@ def test_the_first_forward_holds_recipe_inputs_only_until_their_outputs_are_save
     check_now = engine.rebuilds.check_now
 
     def watching(recipe, original, resolve):
-        held.append(recipe.held)
+        held.append(recipe.retained)
         return check_now(recipe, original, resolve)
     engine.rebuilds.check_now = watching
     for step in range(2):
         with lms:
             out = model(x)
-            assert all(r.held is None for _, r in engine.rebuilds.recipes.values()
+            assert all(r.retained is None for _, r in engine.rebuilds.recipes.values()
                        if r.func is torch.ops.aten.gelu.default)
-        assert all(r.held is None for _, r in engine.rebuilds.recipes.values())
+        assert all(r.retained is None for _, r in engine.rebuilds.recipes.values())
         out.float().square().mean().backward()
         model.zero_grad(set_to_none=True)
     assert len(held) == 1 and held[0] is not None and len(held[0]) == 1
@@ -404,7 +412,8 @@ def test_a_recipe_keeps_its_input_after_every_other_user_is_gone(kind):
     engine = lms._engine
     with lms:
         pass
-    assert engine.host.used_bytes == 0 and all(s.dead for s in engine._order)
+    left = engine.outstanding(reap=False)
+    assert engine.host.used_bytes == 0 and left["released"] == left["storages"]
 
 
 def _three_exact_steps_of_a_gelu_pair(steps=3):
@@ -677,7 +686,8 @@ def test_an_input_whose_entry_died_in_forward_is_made_by_its_own_recipe():
         assert_same(ref, _train(model, x, lms=lms))
         with lms:                              # a step boundary: everything given back
             pass
-        assert engine._ahead == 0 and not engine._order and engine.host.used_bytes == 0
+        left = engine.outstanding(reap=False)
+        assert left["restored_bytes"] == left["storages"] == 0 and engine.host.used_bytes == 0
     assert _steps(lms)[-2]["rebuilt_bytes"] > 0
 
 
@@ -743,7 +753,8 @@ def test_an_interrupt_anywhere_in_a_rebuild_leaves_the_lms_usable(line):
         assert_same(ref, _train(model, x, lms=lms))
     engine = lms._engine
     with lms:
-        assert engine.host.used_bytes == 0 and engine._ahead == 0
+        left = engine.outstanding(reap=False)
+        assert engine.host.used_bytes == 0 and left["restored_bytes"] == 0
     lms.close()
 
 

@@ -166,8 +166,9 @@ class InPlaceInput(nn.Module):
 
 
 def test_a_region_that_changes_its_input_in_place_is_kept():
-    model_of = lambda: nn.Sequential(nn.Linear(32, 32),
-                                     nn.Sequential(*[InPlaceInput() for _ in range(3)]))
+    def model_of():
+        return nn.Sequential(nn.Linear(32, 32), nn.Sequential(*[InPlaceInput() for _ in range(3)]))
+
     lms = _check_exact("sim", model_of, torch.randn(256, 32))
     stats = lms.stats()["regions"]
     assert stats["recomputed"] == 0

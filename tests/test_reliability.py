@@ -21,17 +21,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from models import (
+    DEVICES,
+    assert_same,
+    lmsrt_warnings,
+    make_lms,
+    mlp,
+    rebuild_small_tensors,
+    run_threads,
+    torch_device,
+    train_step,
+    transformer,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lmsrt
-from lmsrt import host as host_module
+import lmsrt.say
+from lmsrt import host_memory as host_module  # the budget: psutil, cgroups
 from lmsrt.device import SimulatedDevice
-from lmsrt.host import cgroup_available, host_budget
+from lmsrt.host_memory import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
 from lmsrt.units import GiB
-from models import (DEVICES, assert_same, lmsrt_warnings, make_lms, mlp, rebuild_small_tensors,
-                    run_threads, torch_device, train_step, transformer)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +62,8 @@ def _boundary_is_clean(lms):
     engine = lms._engine
     with lms:
         assert engine.host.used_bytes == 0, engine.host.used_bytes
-        assert not engine._order and not engine._dead and not engine._held
+        left = engine.outstanding(reap=False)
+        assert left["storages"] == left["dead_handles"] == left["held"] == 0
 
 
 def _failing(copy, when=lambda: True):
@@ -374,10 +386,11 @@ def _check_soak(kind, steps):
         shape = shapes[(step // repeat) % len(shapes)]
         model.zero_grad(set_to_none=True)
         with lms:
-            assert engine.host.used_bytes == 0 and not engine._order and not engine._dead
+            left = engine.outstanding(reap=False)
+            assert engine.host.used_bytes == 0 and left["storages"] == left["dead_handles"] == 0
             use = engine.device.memory_allocated()
             out = model(inputs[shape])
-        assert not engine._by_ptr
+        assert not engine.state.by_ptr
         loss = out.float().square().mean()
         loss.backward()
         assert_same(refs[shape], (loss.detach(), [p.grad for p in model.parameters()]))
@@ -531,7 +544,7 @@ def _check_threads(kind, n=3, steps=8, **lms_kw):
             barrier.wait()
             for _ in range(steps):
                 assert_same(refs[i], train_step(models[i], inputs[i], lms=lms))
-        except BaseException as e:      # reported by the main thread
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
     run_threads(work, [(i,) for i in range(n)])
@@ -757,7 +770,7 @@ def _check_compile_exact(kind, backend):
     same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     try:
         ref = train_step(model, x, lms=same_hooks)
-    except Exception as e:              # no C++ compiler, or no Triton for this GPU
+    except Exception as e:  # noqa: BLE001 - no C++ compiler, or no Triton for this GPU
         pytest.skip(f"torch.compile(backend={backend!r}) is not available here: "
                     f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     lms = make_lms(kind)
@@ -846,7 +859,7 @@ def test_cuda_device_that_does_not_exist():
 
 def test_no_gpu_warns_once_per_process(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(lmsrt.lms, "_said_no_gpu", False)
+    monkeypatch.setattr(lmsrt.say, "_said", set())         # as in a new process
     with lmsrt_warnings() as said:
         for _ in range(3):
             lms = lmsrt.LMS()

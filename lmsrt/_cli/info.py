@@ -29,7 +29,7 @@ INFO_SCHEMA = 1
 
 def _driver_version() -> str:
     try:
-        import pynvml   # from nvidia-ml-py; imported here, as it is needed only here
+        import pynvml  # from nvidia-ml-py; imported here, as it is needed only here
     except ImportError as e:
         return f"unavailable (pynvml: {e}; pip install nvidia-ml-py)"
     try:
@@ -38,7 +38,7 @@ def _driver_version() -> str:
             version = pynvml.nvmlSystemGetDriverVersion()
         finally:
             pynvml.nvmlShutdown()
-    except Exception as e:   # NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
+    except Exception as e:   # noqa: BLE001 - NVMLError_LibraryNotFound, ..._DriverNotLoaded, ...
         return f"unavailable ({e})"
     return version.decode() if isinstance(version, bytes) else str(version)
 
@@ -80,7 +80,7 @@ def _build_tools() -> Dict[str, Optional[str]]:
 def _host() -> Dict[str, object]:
     import psutil
 
-    from ..host import cgroup_available, host_budget
+    from ..host_memory import cgroup_available, host_budget
 
     vm = psutil.virtual_memory()
     return {"total_bytes": vm.total, "available_bytes": vm.available,
@@ -120,8 +120,8 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
     import torch
 
     from .. import __version__, arena, copy_path
-    from ..launch.session import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
     from ..config import ENV_VARS
+    from ..launch.session import ENV_GPU_LIMIT, ENV_MAX_STEPS, ENV_STATS
 
     cuda = torch.cuda.is_available()
     data: Dict[str, object] = {

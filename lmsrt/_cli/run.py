@@ -16,11 +16,20 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import click
 
-from ..launch.session import (BOOTSTRAP_DIR, ENV_ACTIVE, ENV_BOOTSTRAP, ENV_GPU_LIMIT,
-                              ENV_LAUNCHER_PID, ENV_STATS, ENV_SUMMARY, check_environment,
-                              check_gpu_limit, start)
 from ..launch.output import check_output_file
 from ..launch.script import check_script, run_script
+from ..launch.session import (
+    BOOTSTRAP_DIR,
+    ENV_ACTIVE,
+    ENV_BOOTSTRAP,
+    ENV_GPU_LIMIT,
+    ENV_LAUNCHER_PID,
+    ENV_STATS,
+    ENV_SUMMARY,
+    check_environment,
+    check_gpu_limit,
+    start,
+)
 from ..options import OPTIONS, env_value
 from ._types import Choice, Number, setting_options, settings_given
 

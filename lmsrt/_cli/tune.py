@@ -19,10 +19,23 @@ from typing import List, Optional, Sequence, Tuple
 import click
 
 from ..launch.script import check_script
-from ..launch.tuning import (BISECT_FRACS, GRID_FRACS, MIN_STEPS, MIN_TIMED, WIDEN_ROUNDS, Sweep,
-                             Trial, check_out_dir, compare_auto, pareto_front,
-                             recommend, reference_lms, run_command, spread_text, write_plot,
-                             write_results)
+from ..launch.tune_results import write_plot, write_results
+from ..launch.tuning import (
+    BISECT_FRACS,
+    GRID_FRACS,
+    MIN_STEPS,
+    MIN_TIMED,
+    WIDEN_ROUNDS,
+    Sweep,
+    Trial,
+    check_out_dir,
+    compare_auto,
+    pareto_front,
+    recommend,
+    reference_lms,
+    run_command,
+    spread_text,
+)
 from ..options import AUTO, OPTIONS, format_setting, setting_range
 from ..units import format_bytes
 from ._types import Number

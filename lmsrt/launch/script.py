@@ -115,7 +115,7 @@ def run_script(target: str, args: Sequence[str], *, as_module: bool = False,
     except KeyboardInterrupt as e:
         print_script_traceback(e)
         return ScriptEnd(130, e)
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - the script's end, whatever it was, is reported
         print_script_traceback(e)
         return ScriptEnd(1, e)
     finally:

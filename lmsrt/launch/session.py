@@ -195,7 +195,7 @@ class Session:
         written = True
         try:
             self.lms.__exit__(None, None, None)
-        except Exception as e:   # the script left other saved-tensor hooks on the stack
+        except Exception as e:   # noqa: BLE001 - the script left other hooks on the stack
             print(f"lmsrt: could not remove the LMS hooks cleanly ({e})", file=sys.stderr)
         try:
             if self.stats_path:

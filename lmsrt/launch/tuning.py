@@ -22,7 +22,8 @@ every ``lms`` (the one the bisection uses first) and then asks whether any fixed
 their search. Out of memory is monotone in a fixed ``lms_frac``: a higher fraction keeps more on
 the GPU. So the default search bisects the fractions (0, 0.05, ..., 1, or the values given) at one
 ``lms`` (1000 if listed, else the first value listed) for the largest that does not run out of
-memory: about 5 trials instead of 21. Then it tries every ``lms`` value at that fraction and at the one below it, which
+memory: about 5 trials instead of 21. Then it tries every ``lms`` value at that fraction and at
+the one below it, which
 leaves headroom for allocator slack and cuDNN workspaces and is sometimes faster. When even the
 lowest fraction runs out of memory, every ``lms`` is tried there: a smaller one swaps more. A
 crash or a timeout during the bisection ends the search for that parameter value: it says nothing
@@ -45,7 +46,6 @@ unless it does measurably.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import itertools
 import json
@@ -60,20 +60,19 @@ import time
 from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 from ..options import AUTO, OPTIONS, format_setting, spelled
-from ..units import GiB, MiB
-from .output import check_output_dir, check_output_file, write_atomic
+from .output import check_output_dir, check_output_file
 from .session import WARMUP_STEPS
 
 __all__ = ["Trial", "Sweep", "BISECT_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
            "grid_search", "classify", "with_param", "pareto_front", "best_trial", "recommend",
            "faster", "compare_auto", "MIN_TIMED", "MIN_STEPS", "RESULTS_SCHEMA",
-           "run_command", "check_out_dir", "write_results", "write_plot"]
+           "run_command", "check_out_dir"]
 
 BISECT_FRACS = tuple(round(i * 0.05, 2) for i in range(21))   # bisected: 0, 0.05, ..., 1
-GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))      # --grid without a list: 0, 0.1, ..., 1
+GRID_FRACS = tuple(round(i * 0.1, 1) for i in range(11))   # --grid without a list: 0, ..., 1
 REFERENCE_LMS = 1000.0
 TIE = 0.01   # step rates within 1% are timing noise: the trial with less GPU memory wins
-MIN_TIMED = 3      # step times after warm-up that a trial needs to be compared (NOTE [ Timing noise ])
+MIN_TIMED = 3      # step times after warm-up a trial needs to be compared (NOTE [ Timing noise ])
 MIN_STEPS = WARMUP_STEPS + MIN_TIMED + 1   # --steps that gives them (the last step is not timed)
 WIDEN_ROUNDS = 2   # reruns, each with twice the steps, of two trials within each other's spread
 RESULTS_SCHEMA = 1  # the layout of results.json; raised when a field changes meaning or goes
@@ -571,117 +570,3 @@ def compare_auto(trials: Sequence[Trial]) -> Optional[Dict[str, object]]:
                         f"{spread_text(auto)}, it {spread_text(best)})")
     return {"auto_id": auto and auto.id, "fixed_id": best and best.id,
             "fixed_faster": gain, "fixed_beats_auto": beats, "summary": summary}
-
-
-def _provenance() -> Dict[str, object]:
-    """What ran the trials: lmsrt, torch and CUDA versions and the GPU (None without one)."""
-    import torch
-
-    from .. import __version__
-
-    return {"lmsrt_version": __version__, "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
-def _best_per_params(sweep: Sweep) -> List[Trial]:
-    bests = (recommend([t for t in sweep.trials if t.params == p]) for p in sweep.combinations())
-    return [t for t in bests if t is not None]
-
-
-def write_results(sweep: Sweep, interrupted: bool = False) -> Dict[str, str]:
-    """Write ``results.json`` and ``results.csv`` into ``sweep.out_dir``; return their paths."""
-    front = set(pareto_front(sweep.trials))
-    best = recommend(sweep.trials)
-
-    def command(t: Optional[Trial]) -> Optional[str]:
-        return run_command(t, sweep.script, sweep.gpu_limit) if t else None
-
-    data = {
-        **_provenance(), "schema": RESULTS_SCHEMA,
-        "script": sweep.script, "args": sweep.args, "steps": sweep.steps,
-        "gpu_limit_gib": sweep.gpu_limit, "timeout_s": sweep.timeout,
-        "search": "grid" if sweep.grid else "bisect", "lms": sweep.lms_values,
-        "lms_frac": sweep.fracs, "params": dict(sweep.params), "interrupted": interrupted,
-        "broken": sweep.broken and dict(zip(("first_id", "second_id", "error"), sweep.broken)),
-        "recommended": best and {"id": best.id, "command": command(best)},
-        "best_per_params": [{"params": t.params, "id": t.id, "command": command(t)}
-                            for t in _best_per_params(sweep)],
-        "pareto": sorted(front),
-        "auto": [compare | {"params": p} for p in sweep.combinations()
-                 if (compare := compare_auto([t for t in sweep.trials if t.params == p]))],
-        "trials": [dataclasses.asdict(t) | {"command": command(t)} for t in sweep.trials],
-    }
-    paths = {"json": os.path.join(sweep.out_dir, "results.json"),
-             "csv": os.path.join(sweep.out_dir, "results.csv")}
-    write_atomic(paths["json"], lambda f: json.dump(data, f, indent=1))
-
-    names = [name for name, _ in sweep.params]
-
-    def rows(f) -> None:
-        w = csv.writer(f)
-        w.writerow(["id", *names, "lms", "lms_frac", "status", "steps_per_s", "spread",
-                    "step_time_s", "gpu_peak_bytes", "host_peak_bytes", "swapped_bytes", "steps", "wall_s",
-                    "pareto", "recommended", "error", "command"])
-        for t in sweep.trials:
-            numbers = (t.steps_per_s and f"{t.steps_per_s:.4f}",
-                       None if t.spread is None else f"{t.spread:.4f}", t.step_time_s and f"{t.step_time_s:.5f}", t.gpu_peak_bytes,
-                       t.host_peak_bytes, t.swapped_bytes, t.steps)
-            w.writerow([t.id, *(t.params[n] for n in names), f"{t.lms:g}",
-                        format_setting(t.lms_frac),
-                        t.status, *("" if n is None else n for n in numbers), f"{t.wall_s:.1f}",
-                        int(t.id in front), int(best is not None and t.id == best.id), t.error,
-                        command(t)])
-
-    write_atomic(paths["csv"], rows, newline="")
-    return paths
-
-
-def write_plot(sweep: Sweep, path: str) -> Optional[str]:
-    """Steps/s against peak GPU memory, the Pareto front joined, the recommendation starred.
-
-    Returns None when written, else why not (no matplotlib, or nothing timed).
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return "matplotlib is not installed, so no plot: pip install matplotlib"
-    ranked = [t for t in sweep.trials if t.ranked]
-    if not ranked:
-        return "no trial was timed, so no plot"
-    front, best = set(pareto_front(ranked)), recommend(ranked)
-    unit, scale = ("GiB", GiB) if max(t.gpu_peak_bytes for t in ranked) >= GiB else ("MiB", MiB)
-    fig = Figure(figsize=(8, 5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for params in sweep.combinations():
-        group = [t for t in ranked if t.params == params]
-        if not group:
-            continue
-        label = ", ".join(f"{k}={v}" for k, v in params.items()) or "trials"
-        dots = ax.scatter([t.gpu_peak_bytes / scale for t in group],
-                          [t.steps_per_s for t in group], label=label, zorder=3)
-        edge = sorted((t for t in group if t.id in front), key=lambda t: t.gpu_peak_bytes)
-        ax.plot([t.gpu_peak_bytes / scale for t in edge], [t.steps_per_s for t in edge], "--",
-                marker="o", markersize=11, markerfacecolor="none",
-                color=dots.get_facecolor()[0], label=f"{label}: Pareto front")
-        for t in group:
-            ax.annotate(f"{t.lms:g}/{format_setting(t.lms_frac)}",
-                        (t.gpu_peak_bytes / scale, t.steps_per_s),
-                        fontsize=7, xytext=(4, 4), textcoords="offset points")
-    autos = [t for t in ranked if t.auto]
-    if autos:
-        ax.scatter([t.gpu_peak_bytes / scale for t in autos], [t.steps_per_s for t in autos],
-                   marker="D", s=110, facecolors="none", edgecolors="tab:red",
-                   label="lms_frac auto", zorder=4)
-    if best is not None:
-        ax.scatter([best.gpu_peak_bytes / scale], [best.steps_per_s], marker="*", s=250,
-                   facecolors="none", edgecolors="black", label="recommended", zorder=4)
-    ax.set_xlabel(f"peak GPU memory ({unit})")
-    ax.set_ylabel("steps/s")
-    ax.set_title(f"lmsrt tune: {os.path.basename(sweep.script)} (labels: lms/lms_frac)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", bbox_inches="tight"), binary=True)
-    return None

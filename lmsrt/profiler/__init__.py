@@ -10,7 +10,7 @@ Example::
     report = lmsrt.memory_report(model, x, optimizer=opt, gpu_size=8)
     print(report)
 """
-from .report import MemoryReport, build_report, memory_report
 from .recorder import StepDone, StepRecorder
+from .report import MemoryReport, build_report, memory_report
 
 __all__ = ["MemoryReport", "StepDone", "StepRecorder", "build_report", "memory_report"]

@@ -33,8 +33,10 @@ import weakref
 from typing import Dict, List, Optional, Set
 
 import torch
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_leaves
 
 from ..device import CudaDevice, SimulatedDevice

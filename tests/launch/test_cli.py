@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
+from processes import clean_env, write
 
 import lmsrt.launch.session
 from lmsrt import arena
 from lmsrt._cli import main
 from lmsrt.launch.output import check_output_file, write_atomic
 from lmsrt.launch.session import BOOTSTRAP_DIR
-from processes import clean_env, write
 
 # A script that does not know about lmsrt: an MLP trained for argv[1] steps on the CPU.
 MLP_SCRIPT = textwrap.dedent("""
@@ -59,7 +59,7 @@ def invoke(*args: str) -> Result:
 
 
 def seen(output: str) -> dict:
-    line = next(l for l in output.splitlines() if l.startswith("SEEN="))
+    line = next(ln for ln in output.splitlines() if ln.startswith("SEEN="))
     return json.loads(line[len("SEEN="):])
 
 

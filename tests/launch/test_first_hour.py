@@ -10,12 +10,12 @@ import zipfile
 
 import pytest
 import torch
+from processes import clean_env, write
+from test_cli import MLP_SCRIPT, invoke, lmsrt_process
 
 from lmsrt import __version__
 from lmsrt.stats import format_summary
 from lmsrt.units import GiB, MiB
-from processes import clean_env, write
-from test_cli import MLP_SCRIPT, invoke, lmsrt_process
 
 BOOM = MLP_SCRIPT + "raise ValueError('boom')\n"
 
@@ -36,7 +36,7 @@ def test_summary_when_something_moved_or_asked(tmp_path, flags, script, table, l
     assert result.returncode == (1 if "boom" in script else 0), result.stderr
     err = result.stderr
     assert ("lmsrt  lms=" in err) == table
-    brief = [l for l in err.splitlines() if l.startswith("lmsrt: ") and " step" in l]
+    brief = [ln for ln in err.splitlines() if ln.startswith("lmsrt: ") and " step" in ln]
     assert len(brief) == (1 if line else 0), err
     if "boom" in script and not table:
         # The traceback is the last thing but at most one line.
@@ -95,9 +95,9 @@ def test_no_gpu_warning_is_one_line_with_the_launchers_way(tmp_path):
     result = lmsrt_process("run", write(tmp_path / "s.py", "print('ran')\n"), env=env)
     assert result.returncode == 0 and "ran" in result.stdout
     lines = result.stderr.splitlines()
-    said = [l for l in lines if "no CUDA device" in l]
+    said = [ln for ln in lines if "no CUDA device" in ln]
     assert len(said) == 1 and said[0].startswith("lmsrt: ") and "LMSRT_DEVICE=sim" in said[0]
-    assert not any("lms.py" in l or "warnings.warn" in l for l in lines), result.stderr
+    assert not any("lms.py" in ln or "warnings.warn" in ln for ln in lines), result.stderr
 
 
 def test_the_scripts_own_warnings_print_as_python_prints_them(tmp_path):
@@ -118,7 +118,7 @@ SEEN_SCRIPT = textwrap.dedent("""
 
 
 def _seen(stdout: str) -> dict:
-    return json.loads(next(l for l in stdout.splitlines() if l.startswith("SEEN="))[5:])
+    return json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("SEEN="))[5:])
 
 
 @pytest.mark.parametrize("kind", ["file", "directory", "zip"])

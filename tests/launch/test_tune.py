@@ -17,12 +17,22 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from processes import clean_env, write
 
 from lmsrt._cli import main
-from lmsrt.launch.tuning import (BISECT_FRACS, Sweep, Trial, best_trial, bisect_search,
-                                 classify, compare_auto, grid_search, pareto_front, with_param,
-                                 write_plot, write_results)
-from processes import clean_env, write
+from lmsrt.launch.tune_results import write_plot, write_results
+from lmsrt.launch.tuning import (
+    BISECT_FRACS,
+    Sweep,
+    Trial,
+    best_trial,
+    bisect_search,
+    classify,
+    compare_auto,
+    grid_search,
+    pareto_front,
+    with_param,
+)
 
 # Reads its trial's settings, then does what CUE says for them; else trains until stopped.
 SCRIPT = """
@@ -141,13 +151,16 @@ def test_bisection_of_a_given_list_and_its_first_lms():
 
 
 def test_bisection_stops_at_a_failure_that_is_not_memory():
-    assert drive(bisect_search([1000], BISECT_FRACS), lambda l, f: "crash") == [(1000, 0.5, "crash")]
-    tried = drive(bisect_search([1000], BISECT_FRACS), lambda l, f: "timeout" if f < 0.5 else "oom")
+    crash = drive(bisect_search([1000], BISECT_FRACS), lambda lms, f: "crash")
+    assert crash == [(1000, 0.5, "crash")]
+    tried = drive(bisect_search([1000], BISECT_FRACS),
+                  lambda lms, f: "timeout" if f < 0.5 else "oom")
     assert tried == [(1000, 0.5, "oom"), (1000, 0.2, "timeout")]
 
 
 def test_grid_skips_fractions_above_an_oom():
-    tried = drive(grid_search([1, 2], [0.5, 0.0, 1.0]), lambda l, f: "oom" if l * f >= 1 else "ok")
+    tried = drive(grid_search([1, 2], [0.5, 0.0, 1.0]),
+                  lambda lms, f: "oom" if lms * f >= 1 else "ok")
     assert tried == [(1, 0.0, "ok"), (1, 0.5, "ok"), (1, 1.0, "oom"),
                      (2, 0.0, "ok"), (2, 0.5, "oom")]
 

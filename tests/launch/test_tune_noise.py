@@ -4,12 +4,19 @@ the trials' spread are noise, a trial with too few timed steps is not compared.
 import json
 
 import torch
+from processes import write
+from test_tune import load, script, settings, tune
 
 from lmsrt import __version__
-from lmsrt.launch.tuning import (MIN_STEPS, Sweep, Trial, compare_auto, faster, recommend,
-                                 write_results)
-from test_tune import load, script, settings, tune
-from processes import write
+from lmsrt.launch.tune_results import write_results
+from lmsrt.launch.tuning import (
+    MIN_STEPS,
+    Sweep,
+    Trial,
+    compare_auto,
+    faster,
+    recommend,
+)
 
 
 def trial(id, frac, times, peak=4 << 30) -> Trial:

@@ -10,6 +10,8 @@ import textwrap
 import pytest
 import torch
 from click.testing import CliRunner
+from models import transformer
+from processes import ROOT
 from torch import nn
 
 import lmsrt
@@ -18,9 +20,6 @@ from lmsrt.device import SimulatedDevice
 from lmsrt.profiler.recorder import OUTSIDE, StepRecorder
 from lmsrt.profiler.report import build_report, headroom
 from lmsrt.units import GiB, format_bytes
-
-from models import transformer
-from processes import ROOT
 
 F32 = 4
 LINEAR_PARAMS = (64 * 64 + 64) * F32

@@ -34,8 +34,7 @@ def _after_lmsrt():
 
 
 engine = None
-from models import (assert_same, make_lms, mlp, rebuild_small_tensors,  # noqa: E402 (lmsrt)
-                    torch_device, train_step)
+from models import assert_same, make_lms, mlp, rebuild_small_tensors, torch_device, train_step  # noqa: E402 (lmsrt)
 
 # Not what this script checks, and not there when lmsrt was built with a compiler.
 warnings.filterwarnings("ignore", message="lmsrt: the native allocator")

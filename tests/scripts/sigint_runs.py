@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from lmsrt._cli import main      # imports torch too: once, before forking
+from lmsrt._cli import main  # imports torch too: once, before forking
 
 script, runs = sys.argv[1], int(sys.argv[2])
 for i in range(runs):

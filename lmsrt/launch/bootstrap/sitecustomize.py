@@ -38,7 +38,7 @@ def _start_lms() -> None:
 
     try:
         session = launch.start()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - said, then the script stops
         # Training on without the LMS the user asked for would fail later and less clearly.
         rank = os.environ.get("RANK", "?")
         print(f"lmsrt: could not enable LMS in worker rank {rank}: {type(e).__name__}: {e}. "

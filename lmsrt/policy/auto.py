@@ -1,27 +1,9 @@
-"""How much lmsrt holds on the GPU, and when: the swap policy, beside the plan.
-
-The engine (engine.py) has the mechanism (copies, events, handles); the plan (plan.py) records
-the sequence of saved storages and which of them a step offloads. The policy decides the numbers.
-At every point of a step the engine asks it for three levels of GPU use (bytes allocated):
-
-  ``swap_at(i)``   at forward point i, a storage the plan keeps is swapped anyway if use, less
-                   the sources still being copied out, stands over this (0: swap everything);
-  ``hold_to(i)``   sources still being copied out are let go (the compute stream waits on the
-                   oldest copy) while use stands over this (0: hold at most ``overlap`` bytes);
-  ``fetch_to(j)``  at backward point j, storages are fetched ahead while use plus the next one
-                   stays within this (0: one storage ahead at most).
-
-Forward point i is the i-th storage saved in the step (its index in the plan); backward point j
-is the j-th unpack of the step's backward.
-
-``FixedPolicy`` is Caffe's ``lms_frac``: one mark, ``lms_frac`` x the limit, for all three, and
-the plan's target follows use at the end of forward (NOTE [ Fixed mark ]). ``AutoPolicy``
-(``lms_frac="auto"``) learns the model's own use instead (NOTE [ Auto ]).
+"""``AutoPolicy``: ``lms_frac="auto"``, which learns the model's own use.
 
 NOTE [ Auto ]
 What the model itself allocates beside the saved tensors rises and falls inside a step:
 workspaces, fp32 upcasts, a vocabulary-sized logits tensor and its gradient, gradients, optimizer
-temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is not flat").
+temporaries. One mark cannot fit them all (docs/design.md, "The model's own memory is not flat").
 
   1. Learn. The first step swaps every eligible storage and holds the least (the overlap rule,
      one storage fetched ahead while use stays under a quarter of the limit:
@@ -74,242 +56,37 @@ temporaries. One mark cannot fit them all (DESIGN.md, "The model's own memory is
      next, whose algorithms (chosen with the least held) are those later steps run.
 A model that fits under the bound keeps everything: nothing moves.
 
-NOTE [ Fixed mark ]
-Step 1 swaps every eligible storage (``FixedPolicy.swap_at`` says why). The plan's target then
-follows use at the end of forward: it grows by how far that use (net of copies in flight) stood
-over the mark without what the mark rule swapped beyond the plan, and shrinks by half the unused
-room when it stood well under with nothing swapped beyond the plan. Growing by everything swapped
-beyond the plan would ratchet: a transient inside forward (a vocabulary-sized logits tensor)
-makes the mark rule swap a little every step whatever the plan offloads. The signal is use at the
-end of forward, not the step's peak: the plan controls what is resident when backward starts,
-while a peak inside backward does not fall by offloading more.
 """
 from __future__ import annotations
 
-import collections
-import itertools
-import weakref
 from typing import List, Optional
 
-from .plan import OffloadPlan
-from .units import format_bytes
+from ..options import spelled
+from ..plan import OffloadPlan
+from ..units import GiB, format_bytes
+from .planner import choose_offloads, levels
+from .profile import Profile
+from .protocol import LimitShares
 
-__all__ = ["FixedPolicy", "AutoPolicy", "Profile", "make_policy"]
+__all__ = ["AutoPolicy"]
 
-_SLACK = 0.05      # FixedPolicy shrinks its target only when this far under the mark
 _RELEARN = 16      # AutoPolicy learns a changed sequence again at most this often (steps)
-_NEVER = 1 << 62
 _RETRIES = 2       # AutoPolicy leaves more headroom past this many allocator retries a step
 _REPLAN = 8        # AutoPolicy plans again when its budget moved by limit >> _REPLAN
 _MISSED = 6        # and learns from a forward point whose use it missed by more than limit >> this
 
 
-class FixedPolicy:
-    """``lms_frac`` a number: swapping starts when GPU use passes ``lms_frac`` x the limit."""
+class AutoPolicy(LimitShares):
+    """``lms_frac="auto"``: NOTE [ Auto ].
 
-    auto = False
-    learning = False
-    recording = None          # records no profile
-    keeps_small = False       # a first step swaps what it defers (engine, NOTE [ Deferred copies ])
+    Example::
 
-    def __init__(self, lms_frac: float, limit: int, window: int):
-        self.lms_frac = lms_frac
-        self.limit = limit
-        self.mark = int(lms_frac * limit)
-        # At a mark of 0 every byte is over it: let this much be held while its copies run, so
-        # they overlap forward instead of each pack waiting for the last copy.
-        self.overlap = min(window, limit >> 3)
-        self._first = True
-        self._reactive_mark = self.mark - (self.mark >> 3)
+        policy = AutoPolicy(limit=16 << 30, window=1 << 30)
+        policy.learning                 # True: the first step learns the model's own use
+    """
 
-    def begin_step(self, plan: OffloadPlan, base: int, first: int) -> None:
-        pass
-
-    def may_lag(self, plan: OffloadPlan) -> bool:
-        """Whether a swap may leave its tensor on the GPU while its pin runs: not in the first
-        step, which holds the least (``swap_at``)."""
-        return not self._first
-
-    def swap_at(self, plan: OffloadPlan, i: int) -> int:
-        """The first step swaps every eligible storage. It is the step in which cuDNN and cuBLAS
-        pick an algorithm per shape and keep it for the run, each time the fastest whose
-        workspace fits in what is free then; and a reactive step keeps its earliest storages
-        through the whole of its backward, so it runs out of memory where planned steps fit.
-        Measured on an H200 (benchmarks/results): a segmentation net at a 12 GiB cap, lms_frac
-        0.45, 1.89 s a step with a reactive first step against 0.43 s (cuDNN's dgrad picked
-        under pressure took 1.44 s of backward instead of 0.23 s); a GPT stack at an 8 GiB cap
-        ran out of memory in step 1 at every lms_frac above 0.5, and fits at 0.7 this way.
-
-        Later reactive steps (a changed sequence) swap the latest storages, which their backward
-        needs first, on demand, right at the peak: from 1/8 under the mark, to leave them room."""
-        if self._first:
-            return 0
-        return self.mark if plan.mode == "plan" else self._reactive_mark
-
-    def hold_to(self, plan: OffloadPlan, i: int) -> int:
-        return self.mark
-
-    def swap_levels(self, plan: OffloadPlan, n: int) -> List[int]:
-        """``swap_at`` of points 0 to n - 1, in one call."""
-        return [self.swap_at(plan, 0)] * n
-
-    def fetch_to(self, plan: OffloadPlan, j: int) -> int:
-        return self.mark
-
-    def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
-                    swapped: int, beyond_plan: int, peak: int, retries: int,
-                    failures: int = 0, over: Optional[tuple] = None,
-                    tuning: bool = False) -> None:
-        """NOTE [ Fixed mark ]."""
-        self._first = False
-        mark = self.mark
-        if followed:
-            target = plan.target + max(0, forward_end_use + beyond_plan - mark)
-            room = mark * (1 - _SLACK) - forward_end_use
-            if beyond_plan == 0 and room > 0:
-                target -= room / 2
-        else:
-            # A reactive step's own overshoot comes from its backward (it swapped the latest
-            # tensors, which come back first, at the peak): it says nothing about a plan.
-            target = swapped
-        plan.set_target(max(0, int(target)))
-
-    @staticmethod
-    def step_figures() -> dict:
-        return {}
-
-    @staticmethod
-    def note() -> str:
-        return ""
-
-    def oom_lines(self) -> List[str]:
-        return []
-
-
-class _Freed(weakref.ref):
-    """A profile's reference to saved storage ``index`` (``Profile.watch``)."""
-
-    __slots__ = ("index",)
-
-
-class Profile:
-    """What a learning step measured, relative to GPU use when it began (NOTE [ Auto ], 1)."""
-
-    def __init__(self) -> None:
-        self.sizes: List[int] = []       # storage sizes in save order
-        self.fwd_own: List[int] = []     # the model's own use at forward point i
-        self.fwd_peak: List[int] = []    # its peak in the interval ending at point i
-        self.bwd_own: List[int] = []     # the same at backward point j
-        self.bwd_peak: List[int] = []
-        self.last_use: List[int] = []    # backward point of each storage's last unpack
-        self.first_use: List[int] = []   # and of its first
-        self.live: set = set()           # storages alive anyway (never worth keeping count of)
-        # Storage i counted as the model's own from point held[i][0] to held[i][1] (points
-        # numbered through forward, then backward): the model held on to it after lmsrt let go.
-        self.held: dict = {}
-        self.closed = False
-        self._freed: collections.deque = collections.deque()   # _Freed refs, dead, unread
-
-    def _point(self) -> int:
-        return len(self.fwd_own) + len(self.bwd_own)
-
-    def own_from(self, i: int) -> None:
-        if not self.closed:
-            self.held[i] = (self._point(), None)
-
-    def watch(self, storage, i: int) -> "_Freed":
-        """A weak reference to storage i whose death closes its span in ``held`` at the point
-        where it happened. The callback is a deque's C ``append``: no Python frame runs while
-        autograd frees a graph, so a Ctrl-C cannot land in one and be lost (NOTE [ Interrupts
-        and versions ] in engine.py); the next point, or the close, reads the queue. The
-        caller keeps the reference (a dead one calls nothing)."""
-        ref = _Freed(storage, self._freed.append)
-        ref.index = i
-        return ref
-
-    def _read_freed(self) -> None:
-        freed, point = self._freed, self._point()
-        while freed:
-            i = freed.popleft().index
-            span = self.held.get(i)
-            if span is not None and span[1] is None:
-                self.held[i] = (span[0], point)
-
-    def close(self) -> None:
-        """Storages freed from here on tell it nothing."""
-        self._read_freed()
-        self.closed = True
-
-    def kept_spans(self, k: int, readings: bool = False):
-        """The points at which keeping storage k adds its bytes to what was learnt: from its
-        save to its last unpack (to there the learning step counted its restored copy as
-        lmsrt's; after it, autograd frees it as it frees a kept one), less the span in which
-        the model held it anyway: from where lmsrt let go of it (that interval's peak was read
-        with it allocated) to the interval in which it was freed (which may have peaked after
-        it was: counted). With ``readings``, the points whose reading of GPU use it adds to
-        (the swap and fetch levels are readings, not peaks): that last point is counted too,
-        since its reading came after the free (leaving it out made a level short by the
-        storage there, which swapped one the plan keeps, in every step)."""
-        n, p = len(self.fwd_own), len(self.bwd_own)
-        start, end = k + 1, n + min(self.last_use[k], p - 1)
-        span = self.held.get(k)
-        if span is None:
-            return [(start, end)]
-        lo, hi = span
-        hi = end + 1 if hi is None else hi if readings else max(hi, lo + 1)
-        return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
-
-    def record(self, backward: bool, used: int, peak: int, held_before: int, held_now: int,
-               nbytes: int = 0) -> None:
-        if self._freed:
-            self._read_freed()          # freed in the interval that ends here
-        own = used - held_now
-        own_peak = max(peak - held_before, own)
-        if backward:
-            self.bwd_own.append(own)
-            self.bwd_peak.append(own_peak)
-        else:
-            self.sizes.append(nbytes)
-            self.last_use.append(_NEVER)
-            self.first_use.append(_NEVER)
-            self.fwd_own.append(own)
-            self.fwd_peak.append(own_peak)
-
-    def used_at(self, i: int, j: int) -> None:
-        if 0 <= i < len(self.last_use):
-            self.last_use[i] = j
-            if i < len(self.first_use) and self.first_use[i] == _NEVER:
-                self.first_use[i] = j
-
-    def between(self, k: int) -> Optional[tuple]:
-        """The points (numbered through forward, then backward) at which storage k, restored,
-        waits between its first unpack and its last (a tensor that two backward functions
-        read: a convolution's input that a ReLU before it also saved), or None. The learning
-        step counted it as lmsrt's there, as it counts a copy fetched ahead; a planned step
-        that offloads it holds it all the same (measured on a conv net at a 6 GiB cap: a
-        577 MiB activation between its two unpacks made every 1.1 GiB cuDNN workspace of the
-        first planned step fail, 79 of them, and cuDNN kept the slower algorithms for the
-        run)."""
-        if k >= len(self.first_use):
-            return None
-        first, last, n = self.first_use[k], self.last_use[k], len(self.fwd_own)
-        last = min(last, len(self.bwd_own) - 1)
-        if first == _NEVER or first >= last:
-            return None
-        return n + first + 1, n + last
-
-    def growth(self) -> int:
-        """The largest rise of the model's own use within one interval."""
-        own = self.fwd_own + self.bwd_own
-        peak = self.fwd_peak + self.bwd_peak
-        return max((p - o for o, p in zip(own, peak[1:])), default=0)
-
-
-class AutoPolicy:
-    """``lms_frac="auto"``: NOTE [ Auto ]."""
-
-    auto = True
-    keeps_small = True        # a step under a quarter of the limit keeps what it defers
+    adapts_to_retries = True           # more headroom for retries near the bound (4)
+    pins_for_deferred = False          # a step under a quarter of the limit keeps what it defers
 
     def __init__(self, limit: int, window: int):
         self.limit = limit
@@ -390,6 +167,26 @@ class AutoPolicy:
             return self._base + self._hold[i]
         return self._reactive
 
+    def lean_step(self, plan: OffloadPlan) -> bool:
+        """A planned step that offloads nothing, and learns nothing, may take the lean path
+        that keeps everything (engine/native.py, NOTE [ Steps that keep everything ])."""
+        return plan.planned and plan.target == 0 and self._recording is None
+
+    def may_keep_deferred(self, use: int) -> bool:
+        """Deferred swaps stay on the GPU for backward while use is under a quarter of the
+        limit: a model that small fits (engine/deferred.py, NOTE [ Deferred copies ])."""
+        return use <= self.limit >> 2
+
+    def lone_fetch_under(self, level: int) -> int:
+        """At a fetch level of 0 (learning), the one storage fetched ahead goes only while use
+        with it stays under a quarter of the limit (engine/prefetch.py says why); 0: no cap."""
+        return 0 if level else self.limit >> 2
+
+    def shed_to(self, plan: OffloadPlan, level: int) -> int:
+        """In a planned step, use over the fetch level by more than half the headroom gives
+        back copies fetched ahead down to that (engine/prefetch.py, ``_shed``); 0: none."""
+        return level + (self.headroom >> 1) if level and plan.mode == "plan" else 0
+
     def fetch_to(self, plan: OffloadPlan, j: int) -> int:
         if self.learning or plan.grown:
             return 0
@@ -413,74 +210,21 @@ class AutoPolicy:
     def _make_plan(self, plan: OffloadPlan, base: int) -> None:
         prof = self.profile
         budget = self.bound - base - self.correction
-        if (self._planned_for is not None and abs(budget - self._planned_for) < self.limit >> _REPLAN
+        if (self._planned_for is not None
+                and abs(budget - self._planned_for) < self.limit >> _REPLAN
                 and plan.rebuildable == self._planned_rebuildable):
             return                       # the same plan, give or take a few MiB of use
         self._planned_for = budget
         self._planned_rebuildable = rebuildable = plan.rebuildable
-        n, p = len(prof.sizes), len(prof.bwd_own)
         live = plan.live | prof.live
-        # Keep storages from the last saved down (backward needs them first), each one whose
-        # bytes fit under the budget at every point from its save to its last use; offload the
-        # rest. (Keeping a plain suffix would have to keep the last storages first, which are
-        # often the largest and alive at the peak: an LM's fp32 log-softmax output.) Storages
-        # the engine can rebuild cost no copy to offload: they are kept only with the room that
-        # the others leave.
-        peaks = prof.fwd_peak + prof.bwd_peak        # points through forward, then backward
-        # A storage restored for backward waits between its first unpack and its last, kept or
-        # not (Profile.between): use the learning step counted as lmsrt's.
-        between = [None if k in live else prof.between(k) for k in range(n)]
-        waits = [0] * (n + p + 1)
-        for k, span in enumerate(between):
-            if span is not None:
-                waits[span[0]] += prof.sizes[k]
-                waits[span[1] + 1] -= prof.sizes[k]
-        waits = list(itertools.accumulate(waits))[:n + p]
-        peaks = [v + w for v, w in zip(peaks, waits)]
-        offload = [False] * n
-        down = range(n - 1, -1, -1)
-        for k in [k for k in down if k not in rebuildable] + [k for k in down if k in rebuildable]:
-            size = prof.sizes[k]
-            if k in live or not size:
-                continue
-            spans = _without(prof.kept_spans(k), between[k])
-            if all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans):
-                for a, b in spans:
-                    peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
-            else:
-                offload[k] = True
-        fwd, bwd = peaks[:n], peaks[n:]
+        offload, peaks, between = choose_offloads(prof, live, rebuildable, budget)
+        n = len(prof.sizes)
         plan.set_offloaded(offload)
-        peak = max(fwd + bwd, default=0)
+        peak = max(peaks, default=0)
         self.predicted_peak = base + peak
         self._slack = slack = max(0, budget - peak)
-        fwd_own, bwd_own = prof.fwd_own, prof.bwd_own
-        # What the kept storages add to each point's reading of use, and the restored ones
-        # waiting between two unpacks (a difference array).
-        kept = [0] * (n + p + 1)
-        for k, size in enumerate(prof.sizes):
-            if k in live or not size:
-                continue
-            spans = [] if offload[k] else _without(prof.kept_spans(k, readings=True), between[k])
-            if between[k] is not None:
-                spans.append(between[k])
-            for a, b in spans:
-                kept[a] += size
-                kept[b + 1] -= size
-        kept = list(itertools.accumulate(kept))
-        kept_fwd, kept_bwd = kept[:n], kept[n:n + p]
-        self._swap = [fwd_own[i] + kept_fwd[i] + slack for i in range(n)]
-        nxt = prof.fwd_peak[1:] + prof.bwd_peak[:1]
-        self._hold = [budget - max(0, nxt[i] - fwd_own[i]) if i < len(nxt) else budget
-                      for i in range(n)]
-        # Highest predicted use in backward after point j, against predicted use at j.
-        fetch: List[int] = [0] * p
-        later = None
-        for j in range(p - 1, -1, -1):
-            now = bwd_own[j] + kept_bwd[j]
-            fetch[j] = budget - max(0, later - now) if later is not None else budget
-            later = bwd[j] if later is None else max(later, bwd[j])
-        self._fetch = fetch
+        self._swap, self._hold, self._fetch = levels(prof, live, offload, between, peaks, budget,
+                                                     slack)
         self._reactive = base + budget - prof.growth()
         count = sum(offload)
         moved = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
@@ -488,7 +232,7 @@ class AutoPolicy:
         rebuilt = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
                       if out and k in rebuildable)
         self._cutoff = count
-        gib = 2**30
+        gib = GiB
         also = f", {rebuilt / gib:.2f} GiB rebuilt instead" if rebuilt else ""
         self.why = (f"offloads {count} of {n} saved storages ({moved / gib:.2f} GiB moved, the "
                     f"earliest{also}) so that the predicted peak, {(base + peak) / gib:.2f} GiB, "
@@ -541,7 +285,7 @@ class AutoPolicy:
             self._planned_for = None
             return
         self._since_learnt += 1
-        limit, bound, gib = self.limit, self.bound, 2**30
+        limit, bound, gib = self.limit, self.bound, GiB
         # A plan that predicted a peak over the bound moves all it can already: what is left is
         # the model's own, and neither more headroom nor more correction would change it.
         beyond = self.predicted_peak > bound
@@ -655,33 +399,24 @@ class AutoPolicy:
         """What the policy learnt or changed after the step just finished."""
         return self.why
 
+    def swaps_everything(self) -> bool:
+        return self.learning
+
+    @staticmethod
+    def oom_level(config) -> str:
+        return "lms_frac=auto (below)"
+
     def oom_lines(self) -> List[str]:
         prof = self.profile
-        lines = [f"  lms_frac=auto: kept GPU use under {self.bound / 2**30:.2f} GiB (limit less "
-                 f"{self.headroom / 2**30:.2f} GiB headroom); {self.why}."]
+        lines = [f"  lms_frac=auto: kept GPU use under {self.bound / GiB:.2f} GiB (limit less "
+                 f"{self.headroom / GiB:.2f} GiB headroom); {self.why}."]
         if prof is None:
             lines.append("  It was still learning the model's own use (the first step swaps "
                          "every eligible tensor); what is left is the model's own working set.")
         return lines
 
-
-def _without(spans: list, gap: Optional[tuple]) -> list:
-    """``spans`` (inclusive (first, last) point pairs) less the points of ``gap``."""
-    if gap is None:
-        return list(spans)
-    lo, hi = gap
-    out = []
-    for a, b in spans:
-        if a < lo:
-            out.append((a, min(b, lo - 1)))
-        if b > hi:
-            out.append((max(a, hi + 1), b))
-    return out
-
-
-def make_policy(lms_frac, limit: int, window: int):
-    """The policy for a setting of ``lms_frac``: "auto" or a fraction."""
-    if lms_frac == "auto":
-        return AutoPolicy(limit, window)
-    return FixedPolicy(float(lms_frac), limit, window)
-
+    @staticmethod
+    def oom_to_fit(config, lower_lms: str) -> str:
+        return (f"  To fit: {lower_lms}; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                "against fragmentation; or give a fixed lms_frac "
+                f"({spelled('lms_frac', 0.5)}, say) to swap from a mark you choose.")

@@ -1,0 +1,192 @@
+"""Backward: unpack a saved tensor, bringing its storage back (restored or rebuilt) when it is
+not on the GPU."""
+from __future__ import annotations
+
+import torch
+
+from ..host import HostSlot
+from ..units import format_bytes
+from .records import KeptHandle, Offloaded, SwapHandle, bytes_of, modified_error
+
+__all__ = ["UnpackSide"]      # a room of SwapEngine (core.py)
+
+
+class UnpackSide:
+    """The unpack side of a ``SwapEngine``."""
+
+    # -- backward: unpack --------------------------------------------------------------------
+
+    def unpack(self, ref):
+        if self._forward_open:
+            self.end_forward()
+        if self.state.rec is None:
+            try:
+                return self._unpack(ref)
+            finally:
+                self.state.bwd_point += 1
+        with self._lock:                        # a recorded step (policy/auto.py, NOTE [ Auto ])
+            self._record(True)
+            try:
+                return self._unpack(ref)
+            finally:
+                self.state.bwd_point += 1
+                self._recorded()
+
+    def _unpack(self, ref):
+        kind = type(ref)
+        if kind is tuple:                       # the C++ hooks' handle (native_hooks)
+            ref = KeptHandle(ref[0], ref[1], None if ref[2] is None else (ref[2], ref[3]), ref[4])
+            kind = KeptHandle
+        if kind is KeptHandle:
+            self._after_backward.add(ref.thread)
+            t = ref.tensor
+            if t._version != ref.version:
+                raise modified_error(t.type(), t.size(), ref.producer, t._version, ref.version,
+                                      "kept on the GPU")
+            if self._cursor >= 0:               # every unpack moves prefetch along
+                with self._lock:
+                    self._advance()
+            return t
+        if kind is not SwapHandle:
+            return ref                          # saved while lmsrt stepped aside
+        self._after_backward.add(ref.thread)
+        with self._lock:
+            if self._dead:
+                self._reap()
+            s = ref.storage
+            self._check_version(ref, s)
+            try:
+                data = self._resident(s)
+            except torch.OutOfMemoryError as e:
+                self.annotate_oom(e, f"bringing a saved tensor back for backward: a {ref.dtype} "
+                                  f"tensor of shape {tuple(ref.size)}, whose storage of "
+                                  f"{format_bytes(s.nbytes)} did not fit")
+                raise
+            if s.check:
+                self._check_rebuild(s, data)
+            if self.state.rec is not None:
+                self.state.rec.used_at(s.seq, self.state.bwd_point)
+            watch = ref.watch
+            if watch.generation != s.generation:       # a handle counts once per restored copy
+                watch.generation = s.generation
+                s.unpacked += 1
+            if s.unpacked >= len(s.watches) and s.gpu is not None:
+                # Every live view has been handed out: autograd's references keep the block
+                # alive for as long as it is read; ours would keep it for the rest of backward.
+                self._drop_restored(s)
+                s.consumed = True
+            # Viewed under the lock: another thread may release the source alias meanwhile.
+            view = self._copies.view(data, ref)
+            self._advance()
+        return view
+
+    def _check_version(self, ref: SwapHandle, s: Offloaded) -> None:
+        base = ref.base_ref()
+        if base is not None:
+            now = base._version
+        else:
+            alias = s.source if s.source is not None else s.counter
+            now = ref.version if alias is None else alias._version
+        if now != ref.version:
+            kind = torch.empty(0, dtype=ref.dtype, device=self.device.torch_device).type()
+            raise modified_error(kind, ref.size, ref.producer, now, ref.version,
+                                  "swapped to host memory")
+
+    def _resident(self, s: Offloaded, for_recipe: bool = False) -> torch.Tensor:
+        """``s``'s bytes on the GPU, ready for the current stream: its source, a restored or
+        rebuilt copy, or the storage itself where it lives on. ``for_recipe``: wanted as the
+        input of a rebuild, which may come after backward's own last use of it."""
+        if s.source is not None:
+            return s.source
+        if s.gpu is None:
+            live = s.storage_ref()
+            if live is not None:
+                # The source lives on elsewhere, unchanged (checked): use it, move nothing, and
+                # keep this storage on the GPU from the next step (plan.lives_on).
+                if s.seq not in self.plan.live_now:
+                    self.plan.mark_live(s.seq)
+                    self.step.count_kept(s.nbytes, live=True)
+                return bytes_of(live)
+            if s.consumed and not for_recipe:
+                self._new_pass(s)
+            if s.host is None and s.recipe is not None:
+                self._rebuild(s)
+            else:
+                self.step.prefetch_misses += 1
+                self._fetch(s)
+        else:
+            self.step.prefetch_hits += 1
+        if not s.fetch_waited:
+            self._wait_fetch(s)
+        key = self.device.stream_key()
+        if key != s.stream_key:                            # Rule 3: another consumer stream
+            consumer = self.device.stream_of(key)
+            done = s.fetch_done
+            if done is None:                               # rebuilt, on its own stream
+                done = self.device.new_event()
+                done.record(s.stream)
+            done.wait(consumer)
+            s.gpu.record_stream(consumer)
+        return s.gpu
+
+    def _wait_fetch(self, s: Offloaded) -> None:
+        stream = s.stream
+        if s.fetch_done.query():
+            s.fetch_done.wait(stream)
+        else:
+            start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
+            start.record(stream)
+            s.fetch_done.wait(stream)                      # Rule 3: wait before the first use
+            end.record(stream)
+            self._timed_waits.append((start, end))
+        s.fetch_waited = True
+
+    def _fetch(self, s: Offloaded) -> None:
+        if s.host is None:
+            raise RuntimeError(
+                "lmsrt: backward needs a saved tensor that this LMS swapped out, but the LMS was "
+                "closed (LMS.close(), or interpreter exit) and its host memory given back. Run "
+                "backward before closing the LMS.")
+        gpu = self._alloc_on(s)                           # Rule 3: allocated on its stream
+        try:
+            done = self._copy_in(gpu, s.host, s.stream)
+        except BaseException as e:                        # Rule 7: never hand out those bytes
+            s.stream.wait_stream(self.h2d)    # a copy queued before the error may still write
+            if not isinstance(e, Exception):
+                raise
+            raise RuntimeError(
+                f"lmsrt: copying a swapped-out saved tensor ({format_bytes(s.nbytes)}) back to "
+                f"the GPU for backward failed ({type(e).__name__}: {e}), so backward stops "
+                "rather than use bytes that may be wrong. If it recurs, run without LMS "
+                "(lms=0) to see whether the GPU itself is at fault.") from e
+        # Marked restored only now, with its copy queued (NOTE [ Interrupts and versions ], b).
+        s.fetch_done, s.fetch_waited, s.unpacked = done, False, 0
+        s.generation += 1
+        s.gpu = gpu
+        self._ahead += s.nbytes
+        self.gauge.delta += s.nbytes
+        self.step.in_bytes += s.nbytes
+        self.step.in_tensors += 1
+
+    def _alloc_on(self, s: Offloaded) -> torch.Tensor:
+        if s.stream_key == self.device.stream_key():
+            return self.device.empty(s.nbytes)
+        with self.device.stream(s.stream):
+            return self.device.empty(s.nbytes)
+
+    def _copy_in(self, block: torch.Tensor, slot: HostSlot, stream):
+        """Start the H2D copy of ``slot`` into ``block`` after ``stream``'s work so far; return
+        the copy's event."""
+        return self._copies.copy_in(block, slot, stream)
+
+    def _drop_restored(self, s: Offloaded) -> None:
+        s.gpu = None
+        self._ahead -= s.nbytes
+
+    def _new_pass(self, s: Offloaded) -> None:
+        """A storage already used in this pass is needed again: backward runs once more over a
+        retained graph. Prefetch starts over from below it."""
+        for other in self._order:
+            other.consumed = False
+        self._cursor = s.index - 1
+

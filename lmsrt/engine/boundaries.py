@@ -1,0 +1,216 @@
+"""Where steps begin and end: the step state made afresh, the plan begun at the first save, the
+step's figures read at its end."""
+from __future__ import annotations
+
+import threading
+
+from ..plan import OffloadPlan
+from ..policy import make_policy
+from ..stats import StepStats
+
+__all__ = ["StepBoundaries", "StepState"]      # a room of SwapEngine (core.py)
+
+
+class StepState:
+    """What the engine knows of the step in flight. Made afresh as each step begins
+    (``begin_forward``), so nothing of a step outlives it by being forgotten in a reset."""
+
+    __slots__ = ("index", "by_ptr", "base", "keeps_all", "largest", "sigs", "beyond_plan", "over",
+                 "rec", "rec_lmsrt", "step_peak", "deferred_kept", "forward_end_use", "bwd_point",
+                 "retries_before", "failures_before")
+
+    def __init__(self, retries_before: int = 0, failures_before: int = 0):
+        self.index = 0                 # storages saved in this forward
+        self.by_ptr: dict = {}         # storage address -> Offloaded/Kept, for this forward
+        self.base = None               # GPU use at the step's first save (None: not yet)
+        self.keeps_all = False         # the step's plan keeps everything (set at its first save)
+        self.largest = (0, 0)          # (bytes, save index) of this forward's largest storage
+        self.sigs: dict = {}           # forward point -> signature of its recipe
+        self.beyond_plan = 0           # bytes swapped beyond the plan
+        self.over = None               # (forward point, GPU use there) of the first of them
+        self.rec = None                # the policy's Profile, while this step is recorded
+        self.rec_lmsrt = 0             # lmsrt's bytes at the last recorded point
+        self.step_peak = 0             # highest peak read before a reset inside this step
+        self.deferred_kept = 0         # deferred swaps that forward ended without
+        self.forward_end_use = 0       # GPU use when forward ended, net of copies in flight
+        self.bwd_point = 0             # unpacks so far in this backward (the policy's point j)
+        self.retries_before = retries_before      # the allocator's retry count as it began
+        self.failures_before = failures_before    # and its count of failed allocations
+
+
+class StepBoundaries:
+    """Step boundaries of a ``SwapEngine``."""
+
+    # -- step boundaries ---------------------------------------------------------------------
+
+    def relearn(self) -> None:
+        """Plan afresh from the next step on, learning it as step 1 was: what the model saves
+        has changed (regions.py recomputes other regions). Called from a step listener."""
+        self._relearn = True
+
+    def begin_forward(self) -> None:
+        """A step's forward begins (``with`` entry, or the first save after a backward). Step
+        listeners run first, with the number of the step that begins; one may raise to stop
+        the script there (the launcher's LMSRT_MAX_STEPS), before anything of that step is held."""
+        for listener in self.step_listeners:
+            listener(self.run_stats.steps + 1 + bool(self.step.step))
+        with self._lock:
+            self._reap()
+            self._sweep_orphans()
+            self._release_finished()
+            self._order = [s for s in self._order if not s.dead]
+            # Recounted at each step, so an interrupt between a restored copy's marking and its
+            # count leaves no lasting drift (NOTE [ Interrupts and versions ], b).
+            self._ahead = sum(s.nbytes for s in self._order if s.gpu is not None)
+            stream = self.device.current_stream()
+            if stream != self.compute and (self._forward_open or self._order):
+                raise RuntimeError(
+                    f"lmsrt: a forward started on stream {stream} while tensors saved on stream "
+                    f"{self.compute} are still in use (another thread's forward, or a graph not "
+                    "yet run backward). One LMS orders its copies against one compute stream "
+                    "(NOTE [ Stream lifetimes ], Rule 6): run every forward that shares it on "
+                    "the same stream, or give each stream its own lmsrt.LMS.")
+            self._after_backward.discard(threading.get_ident())
+            if self._forward_open:
+                self.end_forward()
+            self._forward_open = True
+            if self.step.step:
+                self._finish_step()
+            if self._relearn:
+                self._relearn = False
+                self.plan = OffloadPlan()
+                self.policy = make_policy(self.config.lms_frac, self.limit, self.window)
+            keeper = self._keeper and self._keeper()
+            if keeper is not None:
+                keeper.backward(False)    # unpacks go to Python until forward ends
+            self.step = StepStats(step=self.run_stats.steps + 1, mode=self.plan.mode)
+            self.state = StepState(self.device.alloc_retries(), self.device.alloc_failures())
+            self.compute = stream
+            self._compute_key = self.device.stream_key()
+            for i, s in enumerate(self._order):
+                s.index = i
+            self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
+            if self.rebuilds is not None:
+                # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
+                # storages ]): their inputs are held until then, or until forward ends.
+                if self.rebuilds.retaining:
+                    self.rebuilds.let_go()
+                self.rebuilds.retaining = self.step.step == 1
+                # A planned step that offloads nothing rebuilds nothing: no recipes (each costs
+                # the op's dispatch through Python and objects for the collector: docs/design.md,
+                # "Measurements behind the engine's rules"). Should it swap after all, it
+                # copies; the step after notes recipes again.
+                self.rebuilds.noting = not (self.plan.planned and self.plan.target == 0
+                                            and not self._swapped_last)
+            self.host.new_step()
+
+    def _begin_plan(self, first: int) -> None:
+        """The step's first saved storage: GPU use now is the base its policy plans from. (Not
+        at ``begin_forward``: under ``lmsrt run`` the first step begins with the script, before
+        its model exists, later steps with their first save; the first save is the same point
+        in every step either way.)"""
+        st = self.state
+        st.base = base = self.device.memory_allocated()
+        self.gauge.restart(base)
+        policy, plan, step = self.policy, self.plan, self.step
+        policy.begin_step(plan, base, first)
+        st.rec = policy.recording
+        if st.rec is not None:
+            self.device.reset_peak()
+            st.rec_lmsrt = self._lmsrt_bytes()
+        step.plan_target_bytes = plan.target if plan.planned else 0
+        rebuilds = self.rebuilds
+        st.keeps_all = (policy.lean_step(plan)
+                        and (rebuilds is None or not (rebuilds.noting or rebuilds.retaining)))
+        step.bound_bytes = self.mark
+        for name, value in policy.step_figures().items():
+            setattr(step, name, value)
+        if plan.planned:
+            self.host.reserve(plan.copied)         # rebuilt storages need no host memory
+
+    def end_forward(self) -> None:
+        """Forward is over: at ``with`` exit, or at the first unpack of a backward that follows
+        (under one ``with`` around a whole loop no exit marks it)."""
+        with self._lock:
+            if not self._forward_open:
+                return
+            self._forward_open = False
+            if self._armed:
+                self._absorb(entries=False)
+            if self.rebuilds is not None and self.rebuilds.retaining:
+                self.rebuilds.retaining = False
+                self.rebuilds.let_go()
+            if self._deferred:
+                self._end_deferred()
+            self._release_finished()
+            self.state.forward_end_use = self.device.memory_allocated() - self._held_bytes
+            self.step.forward_end_bytes = self.state.forward_end_use
+            self.state.by_ptr.clear()
+            self._cursor = len(self._order) - 1
+            self.state.bwd_point = 0
+            keeper = self._keeper and self._keeper()
+            if keeper is not None:
+                # Nothing to prefetch or record: kept handles need no Python in backward.
+                keeper.backward(self._cursor < 0 and self.state.rec is None)
+
+    def _finish_step(self) -> None:
+        s = self.step
+        s.gpu_peak_bytes = max(self.device.peak_allocated(), self.state.step_peak)
+        self._read_figures(s)
+        if self.memo is not None:
+            self.memo.saw(self.host.used_slabs())
+        s.alloc_retries = self.device.alloc_retries() - self.state.retries_before
+        s.mode = "plan" if self.plan.followed else "reactive"
+        s.alloc_failures = self.device.alloc_failures() - self.state.failures_before
+        if s.alloc_retries and s.mode == "plan" and not self.policy.adapts_to_retries:
+            self.diagnostics.alloc_retries(s)
+        if s.alloc_failures:
+            self.diagnostics.alloc_failures(s)
+        rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
+        followed = self.plan.finish_step(rebuildable)
+        self._swapped_last = s.out_bytes + s.recipe_bytes + self.state.deferred_kept
+        s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
+        self.policy.finish_step(self.plan, followed=followed,
+                                forward_end_use=self.state.forward_end_use,
+                                swapped=self._swapped_last,
+                                beyond_plan=self.state.beyond_plan, peak=s.gpu_peak_bytes,
+                                retries=s.alloc_retries, failures=s.alloc_failures,
+                                over=self.state.over, tuning=self.device.tunes_algorithms())
+        s.policy_note = self.policy.note()
+        self.state.rec = None
+        self.run_stats.add(s)
+        self.device.reset_peak()
+
+    def _finish_rebuilds(self, s: StepStats) -> set:
+        """Read the step's bitwise checks and rebuild times; return the forward points whose
+        storages the next step may rebuild (for the plan)."""
+        s.rebuild_ms, s.rebuild_checks, mismatched = self.rebuilds.finish_step()
+        if mismatched:
+            self.diagnostics.rebuild_mismatch(mismatched)
+        trusted = self.rebuilds.trusted
+        return {i for i, sig in self.state.sigs.items() if sig in trusted}
+
+    def current_step(self) -> StepStats:
+        """The step in flight, with its peaks read now."""
+        s = self.step
+        if self._armed:
+            with self._lock:
+                self._absorb(entries=True)
+        if s.step:
+            s.mode = self.plan.mode
+            s.gpu_peak_bytes = self.device.peak_allocated()
+            self._read_figures(s)
+        return s
+
+    def _read_figures(self, s: StepStats) -> None:
+        """Into ``s``: the host pool's figures, and the swap-in waits whose times are in."""
+        for name, value in self.host.figures().items():
+            setattr(s, name, value)
+        pending = []
+        for start, end in self._timed_waits:
+            if end.query():
+                s.swapin_wait_ms += start.elapsed_time(end)
+            else:
+                pending.append((start, end))
+        self._timed_waits = pending
+

@@ -1,0 +1,100 @@
+"""Copies started later, once their pins land, so that forward need not wait for pinning.
+
+NOTE [ Deferred copies ]
+A swap that must not leave its tensor on the GPU (a planned step, the
+learning step) would wait for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step
+that is most of the pinning, on the training thread (docs/design.md, "Measurements behind the
+engine's rules"). Outside a planned step (whose plan counts on each source's drop at its point),
+while GPU use is under a quarter of the limit, it waits for nothing: the storage is swapped later
+(``_defer``), its source held by lmsrt (counted in ``_held_bytes``; a recorded profile counts it as
+the model's own, as the model may well still use it meanwhile: ``_lmsrt_bytes``) and its copy
+started in save order once pins land (checked at each save). Once use passes the quarter, the
+remaining deferred copies start first, waiting for their pins, so the step holds no more than it
+would have. When forward ends, those still without a pin start too, waiting, unless use is under
+1/16 of the limit: then they stay on the GPU for backward (counted as kept), where there is room (a
+backward needing 15x its forward's end use is not a real model), and waiting would stall the step
+for copies that free nothing in time. Unpack reads a held source as it reads any other. Under auto
+(``pins_for_deferred`` false) a deferral starts no pin (only host memory already pinned, a layout
+pinned ahead by cache.py, takes a copy at once), and forward that ends under the quarter keeps what
+it deferred: a model that small fits, and its first step neither pins nor moves a byte (a backward
+needing 3x its forward's end use on top is not a real model). (The quarter and the 1/16 are the
+policy's: ``may_defer``, ``may_keep_deferred``.)"""
+from __future__ import annotations
+
+import torch
+
+from .records import Offloaded
+
+__all__ = ["DeferredCopies"]      # a room of SwapEngine (core.py)
+
+
+class DeferredCopies:
+    """Deferred copies of a ``SwapEngine``."""
+
+    def _defer(self, t: torch.Tensor, nbytes: int, seq: int, ref, version: int, stream,
+               key) -> Offloaded:
+        """Swap ``t``'s storage out once its pin lands: until then its source stays on the GPU,
+        held by lmsrt (NOTE [ Deferred copies ])."""
+        s = Offloaded(nbytes, seq, ref, version, stream, key)
+        s.index = len(self._order)
+        self._order.append(s)          # from here the step boundary releases it if orphaned
+        s.source = t.detach()          # shares t's version counter
+        self._held_bytes += nbytes
+        self._deferred.append(s)
+        self.step.deferred_tensors += 1
+        return s
+
+    def _settle_deferred(self) -> None:
+        """Copy out deferred storages, all of them, waiting for their pins, once GPU use passes
+        what the policy defers under (``may_defer``)."""
+        if not self.policy.may_defer(self.gauge.estimate()):
+            self._copy_deferred(wait=True)
+        elif self.host.pins_landed:
+            self._copy_deferred(wait=False)
+
+    def _end_deferred(self) -> None:
+        """Forward is over: deferred storages stay on the GPU for backward where the policy
+        allows it (``may_keep_deferred``: a model that small fits, and waiting would stall the
+        step for copies that free nothing in time); elsewhere their copies start, waiting for the
+        pins (backward's own use is not known, least of all in the learning step)."""
+        try:
+            self._copy_deferred(
+                wait=not self.policy.may_keep_deferred(self.device.memory_allocated()))
+            for s in self._deferred:
+                if not s.dead and s.source is not None:
+                    self.step.count_kept(s.nbytes)
+                    self.state.deferred_kept += s.nbytes
+        finally:
+            self._deferred.clear()
+
+    def _copy_deferred(self, wait: bool) -> None:
+        """Start the copies of deferred storages, in save order, as far as pinned memory goes
+        (``wait``: all of them, waiting for the pins under way). One that the host budget
+        refuses stays on the GPU, held until it dies."""
+        deferred, host = self._deferred, self.host
+        while deferred:
+            s = deferred[0]
+            if s.dead or s.source is None:
+                deferred.popleft()
+                continue
+            slot = host.settle(s.nbytes) if wait else host.landed(s.nbytes)
+            if slot is None:
+                if not wait:
+                    return
+                deferred.popleft()
+                continue
+            try:
+                done = self._copy_out(s.source.untyped_storage(), slot, s.stream)   # Rule 1
+            except BaseException as e:                     # Rule 7: keep it on the GPU
+                host.free(slot)
+                deferred.popleft()
+                if not isinstance(e, Exception):
+                    raise
+                self.diagnostics.copy_out_failed(s.nbytes, e)
+                continue
+            s.copy_done, s.host = done, slot
+            deferred.popleft()
+            self._held.append(s)
+            self.step.out_bytes += s.nbytes
+            self.step.out_tensors += 1
+

@@ -1,0 +1,115 @@
+"""Swap-out: a storage's copy to host memory, and its GPU source held until the copy is done.
+
+Bounding what forward holds (docs/design.md, "Freeing memory in forward"): copies run at ~55 GB/s
+and forward makes activations several times faster, so sources still being copied pile up. When held
+sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its source
+is dropped at once (Rule 2)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..host import HostSlot
+from .records import Offloaded, counter_only
+
+__all__ = ["SwapOut"]      # a room of SwapEngine (core.py)
+
+
+class SwapOut:
+    """Swap-out of a ``SwapEngine``."""
+
+    def _swap_out(self, t: torch.Tensor, storage, nbytes: int, seq: int, ref,
+                  version: int) -> Optional[Offloaded]:
+        key = self.device.stream_key()
+        stream = self.compute if key == self._compute_key else self.device.stream_of(key)
+        # A swap waits for a pin under way where keeping the tensor would undo what the policy
+        # counts on: a planned step; a step that must hold the least (the first, in which cuDNN
+        # picks its algorithms for the run by the memory free then), or near the limit: the
+        # policy says (``must_wait``). Where the policy allows it, outside a planned step (whose
+        # pins were started at its beginning, and whose plan counts on each source's drop), it
+        # is deferred instead (NOTE [ Deferred copies ]). Elsewhere (a later reactive step with
+        # room) the tensor stays on the GPU while its pin runs (host.py, NOTE [ Pinning ]).
+        use, policy = self.gauge.estimate(), self.policy      # no new reading
+        planned = self.plan.mode == "plan"
+        wait = planned or policy.must_wait(self.plan, use)
+        if (wait and not planned and self._forward_open and key == self._compute_key
+                and policy.may_defer(use)):
+            refused = self.host.refused
+            # A policy may forbid a deferral to start a pin (NOTE [ Deferred copies ]).
+            slot = (self.host.alloc(nbytes, wait=False) if policy.pins_for_deferred
+                    else self.host.landed(nbytes))
+            if slot is None:
+                return None if self.host.refused != refused else self._defer(
+                    t, nbytes, seq, ref, version, stream, key)
+        else:
+            if wait and self._deferred:
+                self._copy_deferred(wait=True)             # copies go out in save order
+            slot = self.host.alloc(nbytes, wait=wait)
+            if slot is None:
+                return None
+        order = self._order
+        try:
+            s = Offloaded(nbytes, seq, ref, version, stream, key)
+            s.copy_done = self._copy_out(storage, slot, stream)      # Rule 1
+            s.source, s.host = t.detach(), slot    # Rule 2; also shares t's version counter
+            s.index = len(order)
+            order.append(s)          # from here the step boundary releases it if orphaned
+        except BaseException as e:                         # Rule 7: keep it on the GPU
+            if order and order[-1].host is slot:           # interrupted once committed
+                self._held_bytes += nbytes
+                self._held.append(order[-1])
+                raise
+            self.host.free(slot)
+            if not isinstance(e, Exception):
+                raise
+            self.diagnostics.copy_out_failed(nbytes, e)
+            return None
+        self._held_bytes += nbytes
+        self._held.append(s)
+        self.step.out_bytes += nbytes
+        self.step.out_tensors += 1
+        return s
+
+    def _copy_out(self, storage, slot: HostSlot, stream):
+        """Start the D2H copy of ``storage`` into ``slot`` after ``stream``'s work so far;
+        return the copy's event."""
+        return self._copies.copy_out(storage, slot, stream)
+
+    def _release_finished(self) -> None:
+        held = self._held
+        while held and (held[0].source is None or held[0].copy_done.query()):
+            self._drop_source(held.popleft())              # Rule 2: copy seen complete
+
+    def _bound_held(self, used: int, level: int) -> None:
+        """Let go of held sources, oldest first, while use stands over ``level``; at a level of
+        0, while more than the policy's overlap is held or use would pass the limit."""
+        held, overlap = self._held, self.policy.overlap
+        while held and (used > level if level else (self._held_bytes > overlap
+                                                    or used + overlap > self.limit)):
+            s = held.popleft()
+            if s.source is None:
+                continue
+            self._order_after(s, s.copy_done)              # Rule 2: wait, then drop at once
+            self._drop_source(s)
+            used -= s.nbytes
+            self.step.swapout_waits += 1
+
+    def _order_after(self, s: Offloaded, event) -> None:
+        """Make the streams that may reuse ``s``'s GPU block wait on ``event``: its own stream,
+        and the compute stream too for a side-stream storage (its block may be the compute
+        stream's, if the script did not record it on the side stream)."""
+        event.wait(s.stream)
+        if s.stream_key != self._compute_key:
+            event.wait(self.compute)
+
+    def _drop_source(self, s: Offloaded) -> None:
+        source = s.source
+        if source is not None:
+            s.source = None
+            self._held_bytes -= s.nbytes
+            s.counter = counter_only(source)   # NOTE [ Interrupts and versions ], c
+            del source
+            if self.state.rec is not None and s.storage_ref() is not None:
+                self.state.rec.own_from(s.seq)       # held on by the model: its own use from here
+

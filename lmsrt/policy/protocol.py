@@ -1,0 +1,96 @@
+"""``Policy``: the questions the engine asks a swap policy, declared as ``Device`` is
+(lmsrt/device.py); and ``LimitShares``, the fractions of the limit that every policy answers
+alike.
+
+A policy answers in bytes of GPU use (allocated) and in yes or no; the engine never asks which
+kind of policy it has. A planner that rebuilds whole regions, or a pass over a compiled graph,
+answers the same questions.
+
+Example::
+
+    def may_defer_here(policy: Policy, use: int) -> bool:
+        return policy.may_defer(use)
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Protocol
+
+from ..config import LMSConfig
+from ..plan import OffloadPlan
+from .profile import Profile
+
+__all__ = ["Policy", "LimitShares"]
+
+
+class Policy(Protocol):
+    """What the engine asks of a swap policy (``FixedPolicy``, ``AutoPolicy``)."""
+
+    limit: int                  # the bytes this process may allocate
+    bound: int                  # the level GPU use is kept under (``LMS.stats()``'s mark)
+    overlap: int                # at a hold level of 0, the bytes held while their copies run
+    adapts_to_retries: bool     # it answers allocator retries itself (no warning needed)
+    pins_for_deferred: bool     # a deferred swap may start a pin (else: host memory at hand)
+    recording: Optional[Profile]    # the profile this step records, if it learns
+
+    # -- the step --------------------------------------------------------------------------
+    def begin_step(self, plan: OffloadPlan, base: int, first: int) -> None: ...
+    def lean_step(self, plan: OffloadPlan) -> bool: ...
+    def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
+                    swapped: int, beyond_plan: int, peak: int, retries: int,
+                    failures: int = 0, over: Optional[tuple] = None,
+                    tuning: bool = False) -> None: ...
+
+    # -- how much may be held at this point --------------------------------------------------
+    def swap_at(self, plan: OffloadPlan, i: int) -> int: ...
+    def swap_levels(self, plan: OffloadPlan, n: int) -> List[int]: ...
+    def hold_to(self, plan: OffloadPlan, i: int) -> int: ...
+
+    # -- may this copy wait, or be deferred ---------------------------------------------------
+    def must_wait(self, plan: OffloadPlan, use: int) -> bool: ...
+    def may_defer(self, use: int) -> bool: ...
+    def may_keep_deferred(self, use: int) -> bool: ...
+    def check_fits(self, use: int) -> bool: ...
+
+    # -- what to fetch next, and how far ahead ------------------------------------------------
+    def fetch_to(self, plan: OffloadPlan, j: int) -> int: ...
+    def lone_fetch_under(self, level: int) -> int: ...
+    def shed_to(self, plan: OffloadPlan, level: int) -> int: ...
+
+    # -- what it tells ------------------------------------------------------------------------
+    def step_figures(self) -> dict: ...
+    def note(self) -> str: ...
+    def swaps_everything(self) -> bool: ...
+    def oom_level(self, config: LMSConfig) -> str: ...
+    def oom_lines(self) -> List[str]: ...
+    def oom_to_fit(self, config: LMSConfig, lower_lms: str) -> str: ...
+
+
+class LimitShares:
+    """The fractions of the limit that every policy answers alike (``self.limit``: bytes)."""
+
+    limit: int
+
+    def may_lag(self, plan: OffloadPlan) -> bool:
+        raise NotImplementedError
+
+    def must_wait(self, plan: OffloadPlan, use: int) -> bool:
+        """Whether a swap at GPU use ``use`` waits for a pin under way rather than leave its
+        tensor on the GPU while the pin runs: where the policy says a step must not lag
+        (``may_lag``), or within 1/8 of the limit."""
+        return not self.may_lag(plan) or use > self.limit - (self.limit >> 3)
+
+    def may_defer(self, use: int) -> bool:
+        """Whether a swap that must not leave its tensor on the GPU may still start its copy
+        later, once its pin lands (engine/deferred.py, NOTE [ Deferred copies ]): while use is
+        under a quarter of the limit. Over it, deferred copies start at once, waiting."""
+        return use <= self.limit >> 2
+
+    def may_keep_deferred(self, use: int) -> bool:
+        """Whether deferred swaps still without a pin when forward ends stay on the GPU for
+        backward: while use is under 1/16 of the limit."""
+        return use <= self.limit >> 4
+
+    def check_fits(self, use: int) -> bool:
+        """Whether a recipe's check in forward fits: ``use`` (allocated plus what the rebuild
+        and its comparison need) within 1/16 of the limit (engine/recipes.py)."""
+        return use <= self.limit - (self.limit >> 4)

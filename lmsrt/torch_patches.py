@@ -1,0 +1,211 @@
+"""Every change lmsrt makes to torch, in one place.
+
+NOTE [ What lmsrt changes in torch ]
+lmsrt changes six things of torch's, each once per process, and nothing else:
+
+  1. ``torch.autograd.graph.disable_saved_tensors_hooks`` is wrapped when lmsrt is imported
+     (``step_aside_where_hooks_are_disabled``): inside it lmsrt's hooks leave the thread's
+     stack and come back after it, so torch.func's transforms run under ``lmsrt run``. At
+     import, because dynamo recognises the context manager by identity from a table it builds
+     when it is first imported.
+  2. ``torch.cuda.reset_peak_memory_stats`` (and ``torch.cuda.memory``'s) is wrapped when the
+     first CUDA device is made (``keep_peaks_across_resets``): a script's own reset folds the
+     peak it clears into ``cleared_peaks`` first, so lmsrt's step peak covers the whole step.
+  3. The caching allocator's expandable segments are turned on when a CUDA device is made,
+     unless the user configured them (``prefer_expandable_segments``).
+  4. ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and ``torch.autograd.grad``
+     are wrapped when lmsrt is imported (``annotate_backward_ooms``): an out-of-memory error
+     raised in backward while an LMS holds saved tensors carries lmsrt's context, as one raised
+     in forward does. The same exception goes on.
+  5. ``torch.cuda.graph``'s ``__enter__``/``__exit__`` are wrapped when lmsrt is imported
+     (``step_aside_in_capture``): lmsrt's hooks leave the stack while a CUDA graph is captured
+     (also for ``make_graphed_callables`` and inductor's CUDA graphs).
+  6. ``torch.compile`` and ``nn.Module.compile`` are wrapped when lmsrt is imported, so that a
+     model compiled whole is compiled block by block while an LMS is live. The wrap is the
+     region mechanism itself, so it is made in compiled.py (``install``, which lms.py calls).
+
+Example::
+
+    from lmsrt import torch_patches
+    torch_patches.keep_peaks_across_resets()     # idempotent; 2 above
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from .hook_stack import hooks_aside
+from .say import say_once
+
+__all__ = ["step_aside_where_hooks_are_disabled", "keep_peaks_across_resets", "cleared_peaks",
+           "reset_peak", "prefer_expandable_segments", "annotate_backward_ooms",
+           "step_aside_in_capture"]
+
+
+_torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
+
+
+def step_aside_where_hooks_are_disabled() -> None:
+    """Wrap ``torch.autograd.graph.disable_saved_tensors_hooks`` (once per process, when lmsrt is
+    imported) so that lmsrt's hooks leave this thread's stack for the region and come back after
+    it.
+
+    torch.func's transforms (grad, vjp, jacrev, hessian, vmap of them) and other code that
+    cannot work with saved-tensor hooks run inside that context manager, which raises as it is
+    entered if any hooks are set: under ``lmsrt run`` an unmodified script using torch.func
+    would fail. Tensors saved in the region stay on the GPU, as without LMS."""
+    global _torch_disable_hooks
+    if _torch_disable_hooks is not None:
+        return
+    _torch_disable_hooks = original = torch.autograd.graph.disable_saved_tensors_hooks
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message: str):
+        with hooks_aside() as aside:
+            if aside:
+                say_once("aside", "lmsrt: saved-tensor hooks are not allowed inside this "
+                         "region (torch.func transforms such as grad, vjp, jacrev and hessian, "
+                         "or torch.autograd.graph.disable_saved_tensors_hooks), so lmsrt steps "
+                         "aside there: tensors saved inside stay on the GPU, as without LMS "
+                         "(said once).", stacklevel=3)
+            with original(error_message):
+                yield
+
+    torch.autograd.graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+
+
+def _allocated_peak(index: int) -> int:
+    return torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]["peak"]
+
+
+# Peaks that a script's own torch.cuda.reset_peak_memory_stats() cleared since lmsrt last reset
+# the counter, per device index. CUDA keeps one peak counter per device, and training loops often
+# reset it to print a per-step peak: without this, lmsrt's step peak (and `lmsrt tune`'s GPU
+# column) would cover only what follows the script's reset.
+cleared_peaks: dict = {}
+_torch_reset_peak = None
+
+
+def keep_peaks_across_resets() -> None:
+    """Wrap torch.cuda.reset_peak_memory_stats (once per process) so that it first folds the peak
+    it is about to clear into ``cleared_peaks``; it then resets as before."""
+    global _torch_reset_peak
+    if _torch_reset_peak is not None:
+        return
+    _torch_reset_peak = original = torch.cuda.memory.reset_peak_memory_stats
+
+    @functools.wraps(original)
+    def reset_peak_memory_stats(device=None):
+        try:
+            index = torch.cuda._utils._get_device_index(device, optional=True)
+            cleared_peaks[index] = max(cleared_peaks.get(index, 0), _allocated_peak(index))
+        except Exception:       # noqa: BLE001 - never let bookkeeping break the script's call
+            pass
+        return original(device)
+
+    torch.cuda.memory.reset_peak_memory_stats = reset_peak_memory_stats   # reset_max_... too
+    torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
+
+
+def reset_peak(index: int) -> None:
+    """Reset device ``index``'s peak counter for lmsrt itself: through torch's own reset, which
+    folds nothing into ``cleared_peaks``, and forget the peaks a script cleared before."""
+    (_torch_reset_peak or torch.cuda.memory.reset_peak_memory_stats)(index)
+    cleared_peaks.pop(index, None)
+
+
+def prefer_expandable_segments() -> bool:
+    """Turn on the caching allocator's expandable segments unless the user configured them
+    (``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` names ``expandable_segments``), and
+    say whether they are on. Under LMS the GPU runs near its limit with blocks of every size
+    coming and going; fixed segments then strand memory reserved but unallocated (measured: 0.75
+    GiB of a 6.8 GiB cap on an LM head, enough to run out where the plan fit). The setting
+    applies to segments made from here on; it is the allocator's own, numerics do not change."""
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF",
+                                                           "PYTORCH_CUDA_ALLOC_CONF"))
+    if "expandable_segments" in conf:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+              or getattr(torch._C, "_cuda_setAllocatorSettings", None))
+    if setter is None:
+        return False
+    try:
+        setter("expandable_segments:True")
+    except Exception:       # noqa: BLE001 - a build without them keeps fixed segments
+        return False
+    return True
+
+
+_torch_backward = None            # torch.autograd.backward and grad, unwrapped
+
+
+def annotate_backward_ooms(engines) -> None:
+    """Wrap ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
+    ``torch.autograd.grad`` (once per process, when lmsrt is imported) so that an out-of-memory
+    error raised in backward while an LMS holds saved tensors carries lmsrt's context, as one
+    raised in forward does: autograd's own allocations (a gradient, a kernel's workspace) fail
+    there, not in lmsrt's code. ``engines``: the live swap engines (a weak set the caller keeps).
+    The same exception goes on; nothing else changes."""
+    global _torch_backward
+    if _torch_backward is not None:
+        return
+    _torch_backward = (torch.autograd.backward, torch.autograd.grad)
+
+    def wrap(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                for engine in list(engines):
+                    if not engine.closed and engine.step.step:
+                        engine.annotate_oom(exc, "in backward")
+                        break
+                raise
+        return call
+
+    torch.autograd.backward, torch.autograd.grad = map(wrap, _torch_backward)
+
+
+def step_aside_in_capture() -> None:
+    """lmsrt's hooks leave the stack while ``torch.cuda.graph`` captures (also when it captures
+    for ``make_graphed_callables`` or inductor's CUDA graphs)."""
+    graph = getattr(getattr(torch.cuda, "graphs", None), "graph", None)
+    if graph is None:
+        return
+    enter, leave = graph.__enter__, graph.__exit__
+
+    @functools.wraps(enter)
+    def __enter__(self):
+        aside = hooks_aside()
+        self._lmsrt_aside = aside
+        aside.__enter__()
+        try:
+            return enter(self)
+        except BaseException:
+            self._lmsrt_aside = None
+            aside.__exit__(None, None, None)
+            raise
+
+    @functools.wraps(leave)
+    def __exit__(self, *exc):
+        try:
+            return leave(self, *exc)
+        finally:
+            aside: Optional[contextlib.AbstractContextManager] = getattr(self, "_lmsrt_aside", None)
+            if aside is not None:
+                self._lmsrt_aside = None
+                aside.__exit__(None, None, None)
+
+    graph.__enter__, graph.__exit__ = __enter__, __exit__
+
+
+# At import, before torch.compile is used: dynamo recognises the context manager by identity,
+# from a table it builds when it is first imported.
+step_aside_where_hooks_are_disabled()
+step_aside_in_capture()
