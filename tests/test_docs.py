@@ -87,6 +87,26 @@ def test_the_docs_show_commands_of_each_kind():
     assert {"run", "tune", "profile", "info", "build"} <= shown, shown
 
 
+def bad_values(command: click.Command, own):
+    """The options of ``own`` (as ``lmsrt_options`` gives them) whose values ``command`` refuses,
+    each with click's message: ``--help`` stops parsing before values are checked."""
+    options = {opt: param for param in command.params if isinstance(param, click.Option)
+               for opt in param.opts + param.secondary_opts}
+    ctx, bad, words = click.Context(command, info_name=command.name), [], list(own)
+    while words:
+        word = words.pop(0)
+        flag, _, value = word.partition("=")
+        param = options.get(flag)
+        if param is None or param.is_flag or param.count:
+            continue
+        value = value if "=" in word else words.pop(0)
+        try:
+            param.process_value(ctx, (value,) if param.multiple else value)
+        except click.BadParameter as e:
+            bad.append(f"{flag} {value}: {e.message}")
+    return bad
+
+
 @pytest.mark.parametrize("command", _shown_commands())
 def test_each_command_shown_parses(command):
     name, *args = command
@@ -94,6 +114,7 @@ def test_each_command_shown_parses(command):
     own = lmsrt_options(main.commands[name], args)
     result = CliRunner().invoke(main, [name, *own, "--help"])
     assert result.exit_code == 0 and "Usage:" in result.output, (own, result.output)
+    assert not bad_values(main.commands[name], own)
 
 
 def test_an_option_that_is_not_there_fails():
@@ -105,6 +126,11 @@ def test_an_option_that_is_not_there_fails():
     assert CliRunner().invoke(main, ["run", *own, "--help"]).exit_code == 2
     assert lmsrt_options(run, ["--gpu-limit", "12", "-m", "pkg.train", "--lr", "1"]) == \
         ["--gpu-limit", "12", "-m"]
+    assert bad_values(run, ["--lms-frac", "2", "--lms=abc", "-m", "--gpu-limit", "12"]) == [
+        "--lms-frac 2: 2 is not in [0, 1]; give the fraction of GPU memory used before swapping "
+        "starts, or auto, e.g. --lms-frac 0.75",
+        "--lms abc: 'abc' is not a number; give the size threshold in KB (0 turns swapping off), "
+        "e.g. --lms 1000"]
     tune = main.commands["tune"]
     assert lmsrt_options(tune, ["--grid", "--steps", "6", "--", "train.py", "--grid"]) == \
         ["--grid", "--steps", "6"]
