@@ -41,9 +41,10 @@ able to put either there, nor make lmsrt write through a link of theirs.
   2. An untrusted records folder: no records are read or written, said once in one line. An
      untrusted build (its folder, or the built file itself): it is not loaded, said once, and
      the copy path builds in a private folder instead (copy_path.py, ``private_root``).
-  3. Files are written by ``write_file``: a fresh temporary name made with O_EXCL|O_NOFOLLOW
-     (``mkstemp``) in the same folder, then renamed over the target, so nothing planted at a
-     guessable name is followed and a reader sees the old file or the new one.
+  3. Files are written by ``write_file`` (files.py): a fresh random temporary name made with
+     O_EXCL in the same folder, mode 0600, then renamed over the target unless a link or a
+     special file was put there meanwhile, so nothing planted at a guessable name is followed
+     and a reader sees the old file or the new one.
   4. Records are read only from regular files (O_NOFOLLOW|O_NONBLOCK, then ``fstat``: a FIFO or
      a link to /dev/zero never blocks), at most ``_MAX_RECORD`` bytes, of the record's own
      form and no deeper (``_record_slabs``; json's parser stops deeper nesting at Python's
@@ -61,9 +62,10 @@ import os
 import socket
 import stat
 import sys
-import tempfile
 import time
 from typing import List, Optional
+
+from .files import write_atomic
 
 __all__ = ["cache_root", "pins_dir", "unsafe", "trusted_dir", "write_file", "say_once", "PinMemo"]
 
@@ -145,25 +147,14 @@ def trusted_dir(path: str) -> str:
 
 
 def write_file(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` through a fresh temporary file beside it (NOTE [ Trusting
-    the cache ], Rule 3); raises OSError.
+    """Replace ``path`` with ``text``, readable by the user alone, through a fresh temporary file
+    beside it (NOTE [ Trusting the cache ], Rule 3; files.py); raises OSError.
 
     Example::
 
         write_file(os.path.join(pins_dir(), "x.json"), json.dumps(record))
     """
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                               dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, lambda f: f.write(text), mode=0o600)
 
 
 def _read_small(path: str, cap: int) -> Optional[bytes]:

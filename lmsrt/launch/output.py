@@ -20,26 +20,12 @@ Example::
 from __future__ import annotations
 
 import os
-import secrets
-import stat
 import tempfile
-from typing import IO, Callable, Optional
+
+from ..files import kind_of as _kind
+from ..files import write_atomic
 
 __all__ = ["check_output_dir", "check_output_file", "write_atomic"]
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
-
-
-def _kind(path: str) -> Optional[str]:
-    """What is at ``path`` when it is not a regular file (None: a regular file, or nothing)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return next((name for test, name in _KINDS if test(mode)), None)
-
 
 def check_output_dir(path: str) -> str:
     """Make sure files can be written in directory ``path`` (created if missing); return it
@@ -86,37 +72,3 @@ def check_output_file(path: str, instead: str = "") -> str:
     _check_dir(os.path.dirname(where), f"{path}: ",
                "give a path under a directory (missing ones are created)")
     return where
-
-
-def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False,
-                 newline: Optional[str] = None) -> None:
-    """Call ``write(f)`` on a temporary file beside ``path``, then rename it over ``path``.
-
-    Raises OSError, ``path`` untouched, when writing fails or when ``path`` is no longer a
-    regular file or absent (NOTE [ Output files ]). Keeps an existing file's permissions.
-    """
-    directory, name = os.path.split(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    f = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666),  # umask applies
-                  "wb" if binary else "w",
-                  **({} if binary else {"encoding": "utf-8", "newline": newline}))
-    try:
-        with f:
-            try:
-                os.fchmod(f.fileno(), stat.S_IMODE(os.lstat(path).st_mode))
-            except FileNotFoundError:
-                pass
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        kind = _kind(path)
-        if kind is not None:
-            raise OSError(f"{path} is {kind} now, not a regular file; lmsrt left it as it is")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
