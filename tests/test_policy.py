@@ -78,12 +78,15 @@ class Scripted:
         return [w.grad.clone() for w in self.weights]
 
 
-def _train(device, lms_frac, steps=8, model_class=None, **script):
-    """Train the scripted model (or ``model_class``'s); return (grads per step, stats) or raise
-    the OOM."""
+def _train(device, lms_frac, steps=8, model_class=None, validate=0, grad=True, **script):
+    """Train the scripted model (or ``model_class``'s), after ``validate`` forwards without a
+    backward (under no_grad unless ``grad``); return (grads per step, stats) or raise the OOM."""
     model = (model_class or Scripted)(device, **script)
     lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac)
     x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
+    for _ in range(validate):
+        with lms, torch.set_grad_enabled(grad):
+            model.step(x0.clone().requires_grad_(grad))
     grads = []
     for _ in range(steps):
         for w in model.weights:
@@ -656,23 +659,11 @@ def test_auto_learns_from_the_first_step_with_a_backward(first):
     whose saved tensors come back in backward, and training fits where it fits without the
     validation pass."""
     device = SimulatedDevice(capacity=CAP, strict=True)
-    model = Scripted(device, **BACKWARD_TRANSIENT)
-    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")
-    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
-    for _ in range(3):                          # validation: several batches, no backward
-        with lms, torch.set_grad_enabled(first != "no-grad"):
-            model.step(x0.clone().requires_grad_(first != "no-grad"))
-    grads = []
-    for _ in range(8):
-        for w in model.weights:
-            w.grad = None
-        with lms:
-            loss = model.step(x0.clone().requires_grad_())
-        loss.backward()
-        grads.append(model.grads())
+    grads, stats = _train(device, "auto", validate=3, grad=first != "no-grad",
+                          **BACKWARD_TRANSIENT)
     for got, want in zip(grads, _reference(**BACKWARD_TRANSIENT)):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    steps = _steps(lms.stats())
+    steps = _steps(stats)
     assert all(s["gpu_peak_bytes"] <= CAP for s in steps)
     assert steps[-1]["mode"] == "plan", [s["mode"] for s in steps]
 
