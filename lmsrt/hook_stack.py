@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-__all__ = ["pop_own_hooks", "hooks_aside"]
+__all__ = ["pop_own_hooks", "remove_own_hooks", "hooks_aside"]
 
 
 def pop_own_hooks(engine=None):
@@ -28,6 +28,23 @@ def pop_own_hooks(engine=None):
         torch._C._autograd._pop_saved_tensors_default_hooks()
         return top
     return None
+
+
+def remove_own_hooks(engine) -> None:
+    """Take ``engine``'s pair off this thread's saved-tensor hook stack, also from under pairs
+    pushed over it inside the block and left there (they stay, in their order): an LMS never
+    leaves its hooks behind its exit."""
+    over = []
+    try:
+        while pop_own_hooks(engine) is None:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is None:
+                return
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            over.append(top)
+    finally:
+        for pack, unpack in reversed(over):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @contextlib.contextmanager

@@ -114,7 +114,9 @@ class LMS:
         self._engine: Optional[SwapEngine] = None
         self._hooks = None
         self._regions: Optional[Regions] = None
-        self._active = threading.local()
+        # Per thread that entered it: (hooks pushed?, its recorder or None). A dict, not a
+        # threading.local: a block left inside backward may be left from autograd's thread.
+        self._active: Dict[int, tuple] = {}
         if self._device is None:
             if config.enabled:
                 # Once per process: a CPU-only run that builds an LMS per model or per epoch
@@ -171,11 +173,12 @@ class LMS:
             self._engine.step_listeners.append(listener)
 
     def __enter__(self) -> "LMS":
-        if getattr(self._active, "hooks", None) is not None:
+        thread = threading.get_ident()
+        if thread in self._active:
             raise RuntimeError("this LMS is already active on this thread; `with lms:` blocks "
                                "cannot be nested. Use one block around the whole forward pass.")
         if self._engine is None:
-            self._active.hooks = False
+            self._active[thread] = (False, None)
             return self
         engine = self._engine
         if engine.closed:
@@ -186,19 +189,27 @@ class LMS:
                      "aside: tensors saved in the captured region stay on the GPU, in the "
                      "graph's pool (said once). Enter LMS outside the capture to swap.",
                      stacklevel=3)
-            self._active.hooks = False
+            self._active[thread] = (False, None)
             return self
-        self._active.recorder = engine.enter()
-        self._active.hooks = True
+        self._active[thread] = (True, engine.enter())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        pushed = getattr(self._active, "hooks", None)
-        self._active.hooks = None
-        recorder = getattr(self._active, "recorder", None)
-        self._active.recorder = None
+        thread = threading.get_ident()
+        in_backward = torch._C._current_graph_task_id() != -1
+        active = self._active.pop(thread, None)
+        if active is None and in_backward and len(self._active) == 1:
+            # Left inside a backward that runs on autograd's device thread: the block is the
+            # one thread that entered it, whose stacks only that thread can pop.
+            thread, active = self._active.popitem()
+        engine = self._engine
+        if active is None:
+            if engine is not None and not in_backward:
+                engine.exit_again(thread)       # an exit to match the one left in backward
+            return
+        pushed, recorder = active
         if pushed:
-            self._engine.exit(recorder, exc)
+            engine.exit(recorder, exc, thread)
 
     def stats(self) -> Dict[str, object]:
         """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
 
 from .rebuild import Recipe, RecipeTable, Recorder, _Input, _view
 
-__all__ = ["Rebuilds"]
+__all__ = ["Rebuilds", "sample_words"]
 
 
 # A rebuild is worth it while it takes less GPU time than the two copies it saves (out in
@@ -200,3 +200,13 @@ def _words(storage) -> torch.Tensor:
         if n % size == 0:
             return _view(storage, dtype, 0, (n // size,), (1,))
     return _view(storage, torch.uint8, 0, (n,), (1,))
+
+
+_SAMPLE_WORDS = 64
+
+
+def sample_words(storage) -> torch.Tensor:
+    """``_SAMPLE_WORDS`` words spread evenly over ``storage``, copied: a rebuild of it must
+    match them (params.py, NOTE [ Parameters a rebuild reads ]). One small kernel."""
+    words = _words(storage)
+    return words[::max(1, words.numel() // _SAMPLE_WORDS)][:_SAMPLE_WORDS].clone()

@@ -2,6 +2,8 @@
 not on the GPU."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..host import HostSlot
@@ -62,6 +64,7 @@ class UnpackSide:
                                   f"tensor of shape {tuple(ref.size)}, whose storage of "
                                   f"{format_bytes(s.nbytes)} did not fit")
                 raise
+            own = s.gpu is None or s.source is not None     # the original's own bytes
             if s.check:
                 self._check_rebuild(s, data)
             if self.state.rec is not None:
@@ -76,9 +79,26 @@ class UnpackSide:
                 self._drop_restored(s)
                 s.consumed = True
             # Viewed under the lock: another thread may release the source alias meanwhile.
-            view = self._copies.view(data, ref)
+            view = self._original_view(ref) if own else None
+            if view is None:
+                view = self._copies.view(data, ref)
             self._advance()
         return view
+
+    @staticmethod
+    def _original_view(ref: SwapHandle) -> Optional[torch.Tensor]:
+        """The saved tensor as an alias of its base, which still holds its bytes (the source not
+        yet dropped, or a storage alive anyway): it shares the base's version counter, as the
+        tensor autograd would hand back without hooks does, so an in-place op on it in a custom
+        backward counts as a change of the original. None where the base is gone or another
+        view (another dtype) of the bytes."""
+        base = ref.base_ref()
+        if base is None or base.dtype != ref.dtype:
+            return None
+        alias = base.detach()                   # not a view: an alias with its own strides
+        with torch._C._AutoDispatchBelowADInplaceOrView():     # (no version bump)
+            alias.set_(alias.untyped_storage(), ref.offset, ref.size, ref.stride)
+        return alias
 
     def _check_version(self, ref: SwapHandle, s: Offloaded) -> None:
         base = ref.base_ref()

@@ -54,8 +54,16 @@ class StepBoundaries:
         the script there (the launcher's LMSRT_MAX_STEPS), before anything of that step is held."""
         for listener in self.step_listeners:
             listener(self.run_stats.steps + 1 + bool(self.step.step))
+        if self._samples:
+            self.check_rebuilt()
         with self._lock:
             self._reap()
+            for key, pending in list(self._param_rebuilds.items()):
+                pending = [s for s in pending if not s.dead]
+                if pending:
+                    self._param_rebuilds[key] = pending
+                else:
+                    del self._param_rebuilds[key]
             self._sweep_orphans()
             self._release_finished()
             self._order = [s for s in self._order if not s.dead]

@@ -8,6 +8,7 @@ from typing import List
 
 import torch
 
+from .. import params
 from ..cache import PinMemo
 from ..config import LMSConfig
 from ..diagnostics import Diagnostics
@@ -80,6 +81,12 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         entry_of = weakref.WeakMethod(self._entry_of)
         self.rebuilds = (Rebuilds(device, lambda t: (entry_of() or _no_entry)(t))
                          if config.recompute else None)
+        # NOTE [ Parameters a rebuild reads ] (params.py): id(parameter) -> rebuilt storages
+        # that read it, not yet made; and (op, differs?) of each rebuild against its sample.
+        self._param_rebuilds: dict = {}
+        self._samples: list = []
+        if self.rebuilds is not None:
+            params.watch(self)
         self._lock = threading.RLock()
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU

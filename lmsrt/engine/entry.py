@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from ..hook_stack import pop_own_hooks
+from ..hook_stack import remove_own_hooks
 
 __all__ = ["EnterExit"]      # a room of SwapEngine (core.py)
 
@@ -39,27 +39,40 @@ class EnterExit:
             return self.rebuilds.recorder().__enter__()
         return None
 
-    def exit(self, recorder, exc: BaseException = None) -> None:
-        """The block that ``enter`` began ends (``exc``: what it raised, if anything; an
-        out-of-memory error gets lmsrt's context added to its message)."""
-        if recorder is not None:
+    def exit(self, recorder, exc: BaseException = None, thread: int = None) -> None:
+        """The block that ``enter`` began on ``thread`` (this one when None) ends (``exc``: what
+        it raised, if anything; an out-of-memory error gets lmsrt's context added to its
+        message). Left from another thread (autograd's device thread, inside backward), the
+        entering thread's hooks and recorder are taken off by that thread later."""
+        here = threading.get_ident()
+        thread = here if thread is None else thread
+        if recorder is not None and thread == here:
             recorder.__exit__(None, None, None)
-        pop_own_hooks(self)
+        if thread == here:
+            remove_own_hooks(self)
         if torch._C._current_graph_task_id() != -1:
             # Left inside backward: autograd puts back the thread's hooks as they were when
             # backward started, this pair included, once backward ends. The next pack on that
-            # thread outside backward pops it; that one save is still handled as usual.
-            self._stale_hooks.add(threading.get_ident())
+            # thread outside backward pops it (or an extra exit, as torch's own hooks are left);
+            # that one save is still handled as usual.
+            self._stale_hooks.add(thread)
         self.end_forward()
         if isinstance(exc, torch.OutOfMemoryError):
             # The same exception goes on, with lmsrt's context added to its message.
             self.annotate_oom(exc, "in forward")
 
+    def exit_again(self, thread: int) -> None:
+        """An exit on ``thread`` with no block open there: one to match an exit inside
+        backward, whose hooks backward put back; they come off now (torch's own hooks are
+        left the same way)."""
+        if thread in self._stale_hooks:
+            self._pop_stale_hooks(thread)
+
     def _pop_stale_hooks(self, thread: int) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
         self._stale_hooks.discard(thread)
-        pop_own_hooks(self)
+        remove_own_hooks(self)
         if self.rebuilds is not None:
             self.rebuilds.pop_stale_recorder()
 

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from .. import params
+from ..rebuilds import sample_words
 from .records import Kept, NotAtHand, Offloaded, bytes_of, counter_only, modified_error
 
 __all__ = ["RecipeOffload"]      # a room of SwapEngine (core.py)
@@ -88,6 +90,12 @@ class RecipeOffload:
         s.index = len(self._order)
         self._order.append(s)       # from here the step boundary releases it if orphaned
         self._need_inputs(s)
+        s.sample = sample_words(t.untyped_storage())
+        read = [inp.parameter() for inp in recipe.walk() if inp.parameter is not None]
+        for p in read:
+            self._param_rebuilds.setdefault(id(p), []).append(s)
+        if read:
+            params.watch(self, parameters=True)
         self.step.recipe_bytes += nbytes
         self.step.recipe_tensors += 1
         return s
@@ -153,6 +161,8 @@ class RecipeOffload:
                 out = self.rebuilds.run(s.recipe, self._recipe_input)
         storage = out.untyped_storage()
         self.device.note_saved(storage)
+        if s.sample is not None:                # NOTE [ Parameters a rebuild reads ]
+            self._samples.append((s.recipe.name, torch.ne(sample_words(storage), s.sample).any()))
         s.fetch_done, s.fetch_waited, s.unpacked = None, True, 0
         s.gpu = bytes_of(storage)
         s.generation += 1
@@ -160,6 +170,38 @@ class RecipeOffload:
         self.gauge.delta += s.nbytes
         self.step.rebuilt_bytes += s.nbytes
         self.step.rebuilt_tensors += 1
+
+    def materialize(self, parameters) -> None:
+        """Rebuild now the storages, not yet made, whose recipes read the parameters whose ids
+        are in ``parameters``: they are about to change (params.py, NOTE [ Parameters a rebuild
+        reads ]). The rebuilt bytes wait for backward as a restored copy does."""
+        pending = self._param_rebuilds
+        if not pending or not any(key in pending for key in parameters):
+            return
+        with self._lock:
+            for key in [key for key in parameters if key in pending]:
+                for s in pending.pop(key):
+                    if (not s.dead and s.gpu is None and s.host is None and s.recipe is not None
+                            and s.storage_ref() is None):
+                        self._rebuild(s)
+
+    def check_rebuilt(self) -> None:
+        """Raise if a storage rebuilt since the last check differs from the original in the
+        words sampled when it was dropped: an input changed where no version counter saw it
+        (params.py, NOTE [ Parameters a rebuild reads ]). One device sync, only after rebuilds."""
+        with self._lock:
+            samples, self._samples = self._samples, []
+        if not samples:
+            return
+        differs = torch.stack([d for _, d in samples]).cpu().tolist()
+        ops = sorted({name for (name, _), bad in zip(samples, differs) if bad})
+        if ops:
+            raise RuntimeError(
+                f"lmsrt: a saved tensor rebuilt for backward ({', '.join(ops)}) differs from the "
+                "one forward saved: an input of that op was changed in place where autograd "
+                "cannot see it (through .data, or another alias that bumps no version), so the "
+                "gradients of the last backward are wrong. Leave tensors a graph saved unchanged "
+                "until its backward, or set recompute=False.")
 
     def _recipe_input(self, inp) -> Optional[torch.Tensor]:
         """A rebuild's input as its op saw it (``Recipe.rebuild``'s ``resolve``); None for one

@@ -39,7 +39,7 @@ class Offloaded:
     __slots__ = ("nbytes", "index", "seq", "storage_ref", "version", "stream", "stream_key",
                  "source", "counter", "host", "copy_done", "gpu", "fetch_done", "fetch_waited",
                  "watches", "unpacked", "generation", "consumed", "dead", "recipe", "check",
-                 "inputs", "needed_by")
+                 "inputs", "needed_by", "sample")
 
     def __init__(self, nbytes: int, seq: int, storage_ref, version: int, stream, stream_key):
         self.nbytes = nbytes
@@ -66,6 +66,7 @@ class Offloaded:
         self.check = False
         self.inputs: tuple = ()         # what its recipe reads: entries it needs, kept storages
         self.needed_by: set = set()     # ids of the storages whose recipes will read this one
+        self.sample = None              # a few of its words, for a rebuild to match (params.py)
 
 
 class Kept:

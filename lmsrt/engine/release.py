@@ -93,6 +93,7 @@ class Release:
                 self._held_bytes = self._ahead = 0
                 self._order.clear()
                 self._cursor = -1                   # nothing left to prefetch
+                self._param_rebuilds = {}
                 self.state.by_ptr.clear()
                 if self.memo is not None:             # the step in flight counts too
                     self.memo.saw(self.host.used_slabs())

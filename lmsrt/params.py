@@ -1,0 +1,79 @@
+"""Rebuilds that read parameters are made before the parameters change.
+
+NOTE [ Parameters a rebuild reads ]
+A rebuild (rebuild.py, NOTE [ Recipes ]) reads its inputs as they are in backward; autograd
+reads what forward saved. For a parameter the two part when it changes in between: an
+optimizer step of one network before the backward of a graph that went through it (GAN loops),
+decoupled weight decay or an EMA written through ``p.data``. So every rebuild that reads a
+parameter is noted by the engine (``SwapEngine.materialize``), and made at once, while the
+parameter still holds what forward saw, just before the parameter can change:
+
+  Rule 1. Before any torch.optim optimizer steps (its global step pre-hook): the pending
+    rebuilds that read the parameters it updates.
+  Rule 2. Before ``p.data`` of such a parameter is read or set (a property on
+    ``torch.nn.Parameter``, installed with the first noted rebuild): ``.data`` writes bump no
+    version counter, so nothing could tell them afterwards.
+
+A rebuild made early holds its bytes until backward uses them, as PyTorch does without lmsrt.
+Not seen: writes through other aliases made without ``.data`` or a version bump (a tensor
+taken from ``p.data`` before forward, ``p.untyped_storage()``, DLPack or numpy views) and
+``.data`` inside compiled code. What no rule catches, the engine's samples of each dropped
+storage do as an error (``SwapEngine.check_rebuilt``), not as a silent difference: a few words
+of each rebuilt storage are compared with the same words of the original, read before the next
+optimizer step or the next forward.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["watch"]
+
+_engines: "weakref.WeakSet" = weakref.WeakSet()     # engines that rebuild (with recompute on)
+_data = torch._C.TensorBase.data                     # the tensor's own ``data`` descriptor
+_installed = False
+_hook = None                                         # the optimizer step pre-hook's handle
+
+
+def _before_change(p: torch.Tensor) -> None:
+    for engine in list(_engines):
+        engine.materialize((id(p),))
+
+
+def _get_data(self):
+    if _engines:
+        _before_change(self)                         # Rule 2
+    return _data.__get__(self)
+
+
+def _set_data(self, value) -> None:
+    if _engines:
+        _before_change(self)                         # Rule 2
+    _data.__set__(self, value)
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    """torch.optim's global step pre-hook (Rule 1), and the last moment to refuse a step whose
+    gradients came from a rebuild that differed."""
+    engines = list(_engines)
+    if not engines:
+        return None
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for engine in engines:
+        engine.check_rebuilt()
+        engine.materialize(ids)
+    return None
+
+
+def watch(engine, parameters: bool = False) -> None:
+    """Have ``engine``'s rebuilds made before the parameters they read change (``parameters``:
+    it has such rebuilds pending, so the ``p.data`` property is needed from now on)."""
+    global _installed, _hook
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_before_step)
+    _engines.add(engine)
+    if parameters and not _installed:
+        _installed = True
+        torch.nn.Parameter.data = property(_get_data, _set_data, doc=_data.__doc__)
