@@ -213,7 +213,7 @@ def parse_fracs(text: str) -> tuple:
 def run_child(args, workload: str, method: str, cap: float, frac=0.0,
               recompute: bool = False) -> dict:
     # Every method runs with expandable segments: less fragmentation, so a cap means the same
-    # thing for all of them (and it is what README recommends to lmsrt users).
+    # thing for all of them (and it is what lmsrt turns on itself).
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     cmd = [sys.executable, os.path.abspath(__file__), "--child",
            f"{workload}:{method}:{cap}:{frac}:{int(recompute)}:{int(args.compile)}",

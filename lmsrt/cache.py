@@ -32,8 +32,8 @@ first step 0.78 -> 0.00 s (gpt), 0.46 -> 0.10 s (seg), 0.42 -> 0.00 s (lm).
 
 NOTE [ Trusting the cache ]
 What lies under the cache decides what lmsrt pins (records) and what code it runs (the built
-copy path), and README suggests a cache shared by every node: another user must not be able to
-put either there, nor make lmsrt write through a link of theirs.
+copy path), and docs/native.md suggests a cache shared by every node: another user must not be
+able to put either there, nor make lmsrt write through a link of theirs.
   1. A folder is trusted if it is owned by this user and not writable by group or others
      (``unsafe``), as ssh does with ~/.ssh; lmsrt makes its folders 0700. ``pins/`` and each
      build folder are lmsrt's own, so a link there is refused too (a cache folder that is itself

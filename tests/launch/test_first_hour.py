@@ -188,9 +188,11 @@ def test_info_says_whether_the_compiler_and_ninja_are_there(monkeypatch):
     assert "none: no-such-compiler is not on PATH" in text and "pip install ninja" in text
 
 
-# -- README and --help say the same ------------------------------------------------------------
+# -- README, docs/ and --help say the same ------------------------------------------------------
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
 
 
 def _flat(text: str) -> str:
@@ -201,12 +203,14 @@ def test_readme_and_help_agree():
     from lmsrt._cli import main
 
     readme = _flat(open(README, encoding="utf-8").read())
+    docs = {name: _flat(open(os.path.join(DOCS, name), encoding="utf-8").read())
+            for name in ("native.md", "tune.md")}
     build = _flat(main.commands["build"].help)
     took = build[build.index("(") + 1:build.index(";")]
-    assert took == "14-16 s on an H200 host, 18 s on a CPU host" and took in readme
+    assert took == "14-16 s on an H200 host, 18 s on a CPU host" and took in docs["native.md"]
     [fracs] = [p for p in main.commands["tune"].params if p.name == "fracs"]
     help_text = _flat(fracs.help)
     order = help_text[help_text.index("Order of trials:"):help_text.index("lowest first.") + 13]
-    assert order in readme
+    assert order in docs["tune.md"]
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in readme
     assert "pip install -e . compiles one thing" in readme
