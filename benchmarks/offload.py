@@ -162,20 +162,24 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
         ctx = contextlib.nullcontext()
     else:
         ctx = contextlib.nullcontext()
-    times, peaks, phases, retries = [], [], [], []
+    times, peaks, phases, retries, failures = [], [], [], [], []
     try:
         for i in range(warmup + steps):
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            stats = torch.cuda.memory_stats()
+            before = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
             t0 = time.perf_counter()
             work.step(ctx, marks)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             peaks.append(torch.cuda.max_memory_allocated())
             # Retries: the allocator hit the cap, freed its cache and synchronised the device.
-            retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - before)
+            stats = torch.cuda.memory_stats()
+            retries.append(stats.get("num_alloc_retries", 0) - before[0])
+            # Failed allocations a caller caught (cuDNN then runs a slower algorithm).
+            failures.append(stats.get("num_ooms", 0) - before[1])
             phases.append((marks[0].elapsed_time(marks[1]) / 1e3,
                            marks[1].elapsed_time(marks[2]) / 1e3))
     except torch.OutOfMemoryError as e:
@@ -191,11 +195,13 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
            "gpu_fwd_s": statistics.median(p[0] for p in phases[warmup:]),
            "gpu_bwd_s": statistics.median(p[1] for p in phases[warmup:]),
            "alloc_retries_per_step": statistics.median(retries[warmup:]),
+           "alloc_failures_per_step": failures,
            "moved_gib": None if method == "save_on_cpu" else 0.0}
     if lms is not None:
         last = lms.stats()["last_step"]
         res.update(moved_gib=last["out_bytes"] / GiB, rebuilt_gib=last.get("recipe_bytes", 0) / GiB,
-                   stats=last, summary=lms.summary(), regions=lms.stats().get("regions"))
+                   stats=last, summary=lms.summary(), regions=lms.stats().get("regions"),
+                   history=lms.stats()["history"])
     if method == "reference":
         res["t_fwd"], res["t_bwd"], res["t_opt"] = _phases(work, steps)
         res["bandwidth"] = _bandwidth()
