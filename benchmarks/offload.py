@@ -149,8 +149,7 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
     lms = None
     if method == "lmsrt":
         try:
-            ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac, **({"recompute": True} if recompute
-                                                               else {}))
+            ctx = lms = lmsrt.LMS(lms=1000, lms_frac=frac, recompute=recompute)
         except (ValueError, TypeError) as e:
             if frac != "auto" and not recompute:
                 raise

@@ -721,3 +721,35 @@ def test_a_model_under_a_quarter_of_the_limit_neither_pins_nor_moves():
     for s in _steps(stats):
         assert s["out_bytes"] == 0 and s["host_pinned_bytes"] == 0, s
     assert device.pinned_total == 0
+
+
+def test_learning_again_keeps_the_allocators_lessons_and_tuned_shapes():
+    """regions.py has the engine learn again when it recomputes other regions: what the model
+    saves changed, not the shapes cuDNN tuned (one learning step, not two) nor the headroom that
+    allocation failures raised (NOTE [ Auto ], 7)."""
+    device = SimulatedDevice(capacity=CAP, strict=True)
+    model = _Tuned(device, **BACKWARD_TRANSIENT)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")
+    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        for w in model.weights:
+            w.grad = None
+        with lms:
+            loss = model.step(x0.clone().requires_grad_())
+        loss.backward()
+
+    for _ in range(4):
+        step()
+    engine = lms._engine
+    policy = engine.policy
+    policy.headroom = raised = policy.headroom + (CAP >> 6)
+    policy._tried = None       # what the recomputed regions save differs from the tuned step's
+    engine.relearn()
+    for _ in range(3):
+        step()
+    steps = _steps(lms.stats())
+    assert engine.policy is policy and policy.headroom == raised
+    assert "the regions recomputed changed" in steps[4]["policy_note"], steps[4]["policy_note"]
+    assert [s["mode"] for s in steps[5:]] == ["plan", "plan"]
+    assert steps[5]["out_bytes"] < steps[4]["out_bytes"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 from ..plan import OffloadPlan
-from ..policy import make_policy
 from ..stats import StepStats
 
 __all__ = ["StepBoundaries", "StepState"]      # a room of SwapEngine (core.py)
@@ -87,7 +86,7 @@ class StepBoundaries:
             if self._relearn:
                 self._relearn = False
                 self.plan = OffloadPlan()
-                self.policy = make_policy(self.config.lms_frac, self.limit, self.window)
+                self.policy.relearn()
             keeper = self._keeper and self._keeper()
             if keeper is not None:
                 keeper.backward(False)    # unpacks go to Python until forward ends

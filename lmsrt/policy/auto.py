@@ -54,6 +54,11 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      first call of each shape tries every algorithm with workspaces as large as memory allows:
      a step with a sequence of sizes not seen in a learning step before is learnt again by the
      next, whose algorithms (chosen with the least held) are those later steps run.
+  7. Learn again when told (``relearn``: regions.py recomputes other regions). The headroom
+     and the retries found to be the model's own stay: they are the allocator's and the
+     model's, not the plan's (a fresh policy gave back what allocation failures had taught, and
+     a failure makes cuDNN keep a slower algorithm for the run). Under benchmark mode the step
+     that learns runs shapes cuDNN has tuned already: learnt at once.
 A model that fits under the bound keeps everything: nothing moves.
 
 """
@@ -113,6 +118,7 @@ class AutoPolicy(LimitShares):
         self._planned_for = None       # the budget the current plan was made for
         self._planned_rebuildable: set = set()   # and the storages it could rebuild
         self._tried: Optional[List[int]] = None  # sizes of the last step cuDNN tuned in
+        self._same_shapes = False      # the next learning step runs shapes cuDNN has tuned
         self._swap: List[int] = []
         self._slack = 0
         self._hold: List[int] = []
@@ -240,6 +246,16 @@ class AutoPolicy(LimitShares):
                     f"keeps everything on the GPU: the predicted peak, {(base + peak) / gib:.2f} "
                     f"GiB, is under {self.bound / gib:.2f} GiB")
 
+    def relearn(self) -> None:
+        """Learn the model's own use again from the next step (NOTE [ Auto ], 7): what the
+        model saves changed (regions.py recomputes other regions), not the shapes it runs, nor
+        what the steps taught of the allocator (headroom, retries of the model's own)."""
+        self.learning = True
+        self.profile = None
+        self.correction = 0
+        self._same_shapes = True
+        self._learning_why = "the regions recomputed changed"
+
     # -- after a step ------------------------------------------------------------------------
 
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
@@ -261,7 +277,8 @@ class AutoPolicy(LimitShares):
                 self.why = ("learning the model's own use from the first step with a backward "
                             "(the last forward had none)")
                 return
-            if tuning and prof.sizes != self._tried:
+            same_shapes, self._same_shapes = self._same_shapes, False
+            if tuning and prof.sizes != self._tried and not same_shapes:
                 # cuDNN tried its algorithms for these shapes in this step (NOTE [ Auto ], 6).
                 self._tried = prof.sizes
                 plan.set_target(swapped)

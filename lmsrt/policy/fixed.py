@@ -101,6 +101,10 @@ class FixedPolicy(LimitShares):
         """Copies fetched ahead are never given back (0: shed nothing)."""
         return 0
 
+    def relearn(self) -> None:
+        """Plan from the next step as from the first (what the model saves changed)."""
+        self._first = True
+
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
                     failures: int = 0, over: Optional[tuple] = None,
