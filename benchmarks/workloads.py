@@ -91,13 +91,12 @@ def _seg(batch=16):
     return Parts(SegNet().cuda(), (torch.randn(batch, 4, 768, 1024, device="cuda"),), True)
 
 
-def _seg_tuned(batch=16):
-    """``seg`` as most conv training scripts run it (torchvision's references): cuDNN's
-    benchmark mode on, weights and inputs channels_last."""
-    torch.backends.cudnn.benchmark = True
-    last = torch.channels_last
-    return Parts(SegNet().cuda().to(memory_format=last),
-                 (torch.randn(batch, 4, 768, 1024, device="cuda").to(memory_format=last),), True)
+def _seg_variant(benchmark: bool, channels_last: bool, batch=16):
+    """``seg`` with cuDNN's benchmark mode and channels_last weights and inputs on or off."""
+    torch.backends.cudnn.benchmark = benchmark
+    form = torch.channels_last if channels_last else torch.contiguous_format
+    return Parts(SegNet().cuda().to(memory_format=form),
+                 (torch.randn(batch, 4, 768, 1024, device="cuda").to(memory_format=form),), True)
 
 
 def _lm(batch=16, seq=1024, d=1024, layers=24, heads=16, vocab=50304, device="cuda"):
@@ -123,7 +122,11 @@ WORKLOADS = {
     "seg": _seg,
     "gptsmall": lambda: _gpt(1024, 8, 4, 1024),
     "lm": _lm,
-    "segtuned": _seg_tuned,
+    # seg as most conv training scripts run it (torchvision's references): cuDNN's benchmark
+    # mode on, weights and inputs channels_last; and each of the two alone
+    "segtuned": lambda: _seg_variant(True, True),
+    "segbench": lambda: _seg_variant(True, False),
+    "segcl": lambda: _seg_variant(False, True),
     # gpt with a validation forward (no_grad) before training, as Lightning runs by default
     "gptval": lambda: _gpt(2048, 16, 8, 2048)._replace(validate_first=True),
 }
