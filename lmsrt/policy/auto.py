@@ -54,7 +54,9 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      first call of each shape tries every algorithm with workspaces as large as memory allows:
      a step with a sequence of sizes not seen in a learning step before is learnt again by the
      next, whose algorithms (chosen with the least held) are those later steps run.
-A model that fits under the bound keeps everything: nothing moves.
+A model that fits under the bound keeps everything: nothing moves; and from its first step where
+use stays under half the limit (its swaps deferred, then kept: engine/deferred.py, NOTE [ Deferred
+copies ]).
 
 """
 from __future__ import annotations
@@ -86,7 +88,7 @@ class AutoPolicy(LimitShares):
     """
 
     adapts_to_retries = True           # more headroom for retries near the bound (4)
-    pins_for_deferred = False          # a step under a quarter of the limit keeps what it defers
+    pins_for_deferred = False          # a step under half the limit keeps what it defers
 
     def __init__(self, limit: int, window: int):
         self.limit = limit
@@ -172,10 +174,13 @@ class AutoPolicy(LimitShares):
         that keeps everything (engine/native.py, NOTE [ Steps that keep everything ])."""
         return plan.planned and plan.target == 0 and self._recording is None
 
-    def may_keep_deferred(self, use: int) -> bool:
-        """Deferred swaps stay on the GPU for backward while use is under a quarter of the
-        limit: a model that small fits (engine/deferred.py, NOTE [ Deferred copies ])."""
-        return use <= self.limit >> 2
+    def may_defer(self, use: int) -> bool:
+        """A swap that must not leave its tensor on the GPU is deferred while use is under half
+        the limit, and stays deferred for backward if forward ends there (``may_keep_deferred``):
+        a model that small fits (engine/deferred.py, NOTE [ Deferred copies ])."""
+        return use <= self.limit >> 1
+
+    may_keep_deferred = may_defer
 
     def lone_fetch_under(self, level: int) -> int:
         """At a fetch level of 0 (learning), the one storage fetched ahead goes only while use
