@@ -145,12 +145,18 @@ class AutoPolicy(LimitShares):
             plan.expect(prof.sizes)
             self._make_plan(plan, base)
 
-    def swap_at(self, plan: OffloadPlan, i: int) -> int:
+    def _level_at(self, plan: OffloadPlan, levels: List[int], i: int) -> int:
+        """Level ``i`` of this plan's ``levels`` (relative to the step's base) in a planned
+        step; 0 in a step that learns or has grown past what was learnt (NOTE [ Auto ], 5); the
+        reactive level elsewhere."""
         if self.learning or plan.grown:
             return 0
-        if plan.mode == "plan" and i < len(self._swap):
-            return self._base + self._swap[i]
+        if plan.mode == "plan" and 0 <= i < len(levels):
+            return self._base + levels[i]
         return self._reactive
+
+    def swap_at(self, plan: OffloadPlan, i: int) -> int:
+        return self._level_at(plan, self._swap, i)
 
     def swap_levels(self, plan: OffloadPlan, n: int) -> List[int]:
         """``swap_at`` of points 0 to n - 1, in one call."""
@@ -163,11 +169,7 @@ class AutoPolicy(LimitShares):
         return levels + [self._reactive] * (n - len(levels))
 
     def hold_to(self, plan: OffloadPlan, i: int) -> int:
-        if self.learning or plan.grown:
-            return 0
-        if plan.mode == "plan" and i < len(self._hold):
-            return self._base + self._hold[i]
-        return self._reactive
+        return self._level_at(plan, self._hold, i)
 
     def lean_step(self, plan: OffloadPlan) -> bool:
         """A planned step that offloads nothing, and learns nothing, may take the lean path
@@ -193,11 +195,8 @@ class AutoPolicy(LimitShares):
         return level + (self.headroom >> 1) if level and plan.mode == "plan" else 0
 
     def fetch_to(self, plan: OffloadPlan, j: int) -> int:
-        if self.learning or plan.grown:
-            return 0
-        if plan.mode == "plan" and self._fetch:
-            return self._base + self._fetch[min(j, len(self._fetch) - 1)]
-        return self._reactive
+        """Past the last backward point learnt, its level holds."""
+        return self._level_at(plan, self._fetch, min(j, len(self._fetch) - 1))
 
     # -- learning ----------------------------------------------------------------------------
 
