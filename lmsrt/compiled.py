@@ -137,7 +137,7 @@ class _Regional:
                      "every block of a model apart (torch._dynamo.config.inline_inbuilt_nn_modules "
                      "is off) and stop compiling after a few, so under LMS a model compiled whole "
                      "stays one region, and swapping cannot lower its peak. Set that option to "
-                     "True before the first step (said once).")
+                     "True before the first step, or use torch 2.5 or later (said once).")
             blocks = []
         if not blocks:
             self.live = lambda: False       # nothing to split: compiled whole, asked no more

@@ -258,8 +258,7 @@ class Regions:
         self.figures: Optional[StepFigures] = None   # what the plan was made from
         self._local = threading.local()
         self._timings: list = []        # (region, start, end) of this step's recomputed forwards
-        # [start, end] of recomputes in backward whose time is not yet read (``read_times``).
-        self._recomputes: collections.deque = collections.deque()
+        self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._kept_calls = 0            # this step's region calls that kept their tensors
         self._span: list = []           # forward's first region start and last region end
         me = weakref.ref(self)
@@ -373,9 +372,7 @@ class Regions:
                "it was called with keyword arguments" if kwargs else "")
         frame.close(why)
         if frame.dropped:
-            step = self.engine.step           # the step's own figures (stats.StepStats)
-            step.recomputed_regions += 1
-            step.recomputed_bytes += frame.nbytes
+            self.engine.step.count_recomputed(frame.nbytes)
             frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
         else:
             self._kept_calls += 1
@@ -459,16 +456,14 @@ class Regions:
         return start.elapsed_time(end) / 1e3
 
     def read_times(self) -> None:
-        """Add the GPU time of the recomputes that have finished to the step in flight's
-        ``recompute_ms`` (one still running counts in the step that reads it done, as the
-        engine's swap-in waits do). They finish in order: one stream runs them."""
+        """Add the GPU time of finished recomputes (in order: one stream runs them) to the step
+        in flight's ``recompute_ms``; one still running counts in the step that reads it done."""
         pending, step = self._recomputes, self.engine.step
         while pending:
             start, end = pending[0]
             if end is None or not (self.simulated or end.query()):
                 return
-            step.recompute_ms += ((end - start) * 1e3 if self.simulated
-                                  else start.elapsed_time(end))
+            step.recompute_ms += (end - start) * 1e3 if self.simulated else start.elapsed_time(end)
             pending.popleft()
 
     def _survey_done(self) -> None:
@@ -567,11 +562,8 @@ class Regions:
                         else ""))
 
     def stats(self) -> dict:
-        """The regions and the plan, for ``LMS.stats()["regions"]``; of the step in flight,
-        region calls recomputed (their saved tensors dropped in forward) and kept, the bytes
-        dropped, and the GPU time of the recomputes in backward that have finished (the same
-        figures per step and summed are ``StepStats``' ``recomputed_*`` and ``recompute_ms``)."""
-        self.read_times()
+        """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
+        first); of the step in flight, its ``StepStats``' figures and the calls that kept."""
         step = self.engine.step
         return dict(regions=len(self.order) or len(set(self._of.values())),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),

@@ -89,6 +89,11 @@ class StepStats:
             self.kept_bytes += nbytes
             self.kept_tensors += tensors
 
+    def count_recomputed(self, nbytes: int) -> None:
+        """A region call dropped ``nbytes`` of saved tensors, to run again in backward."""
+        self.recomputed_regions += 1
+        self.recomputed_bytes += nbytes
+
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
 
