@@ -213,6 +213,8 @@ class LMS:
 
     def stats(self) -> Dict[str, object]:
         """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""
+        if self._regions is not None:
+            self._regions.read_times()          # recomputes finished since: into their step
         step = self._engine.current_step() if self._engine else StepStats()
         totals = self._engine.run_stats.totals(step) if self._engine else {}
         return {

@@ -258,8 +258,8 @@ class Regions:
         self.figures: Optional[StepFigures] = None   # what the plan was made from
         self._local = threading.local()
         self._timings: list = []        # (region, start, end) of this step's recomputed forwards
-        self._recomputes: list = []     # (start, end) of this step's recomputes in backward
-        self._step_counts = dict(recomputed=0, dropped_bytes=0, kept_calls=0)
+        self._recomputes: collections.deque = collections.deque()   # [start, end], unread
+        self._kept_calls = 0            # this step's region calls that kept their tensors
         self._span: list = []           # forward's first region start and last region end
         me = weakref.ref(self)
         handles = []
@@ -371,13 +371,11 @@ class Regions:
         why = ("it raised" if not isinstance(kwargs, dict) else
                "it was called with keyword arguments" if kwargs else "")
         frame.close(why)
-        counts = self._step_counts
         if frame.dropped:
-            counts["recomputed"] += 1
-            counts["dropped_bytes"] += frame.nbytes
+            self.engine.step.count_recomputed(frame.nbytes)
             frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
         else:
-            counts["kept_calls"] += 1
+            self._kept_calls += 1
         return None
 
     def _mark(self) -> list:
@@ -436,8 +434,8 @@ class Regions:
     def _begin_step(self, step: int) -> None:
         """The engine's step listener: finish the last step's figures, move to the next phase
         (NOTE [ Region plan ])."""
-        self._step_counts = dict(recomputed=0, dropped_bytes=0, kept_calls=0)
-        self._recomputes = []
+        self.read_times()                # into the step that ends, before the engine closes it
+        self._kept_calls = 0
         self.step = step
         if self.phase in ("timing", "trial", "checking"):
             self._starts[step] = self._mark()    # steps are timed from one start to the next
@@ -457,10 +455,16 @@ class Regions:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def _elapsed_ms(self, spans: list) -> float:
-        if self.simulated:
-            return sum((b - a) * 1e3 for a, b in spans if b is not None)
-        return sum(a.elapsed_time(b) for a, b in spans if b.query())   # finished ones
+    def read_times(self) -> None:
+        """Add the GPU time of finished recomputes (in order: one stream runs them) to the step
+        in flight's ``recompute_ms``; one still running counts in the step that reads it done."""
+        pending, step = self._recomputes, self.engine.step
+        while pending:
+            start, end = pending[0]
+            if end is None or not (self.simulated or end.query()):
+                return
+            step.recompute_ms += (end - start) * 1e3 if self.simulated else start.elapsed_time(end)
+            pending.popleft()
 
     def _survey_done(self) -> None:
         self._group()
@@ -558,9 +562,9 @@ class Regions:
                         else ""))
 
     def stats(self) -> dict:
-        """The step in flight's regions, for ``LMS.stats()["regions"]``: region calls recomputed
-        (their saved tensors dropped in forward) and kept, the bytes dropped, and the GPU time
-        of the recomputes in backward that have finished."""
+        """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
+        first); of the step in flight, its ``StepStats``' figures and the calls that kept."""
+        step = self.engine.step
         return dict(regions=len(self.order) or len(set(self._of.values())),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
                     figures=self.figures and dataclasses.asdict(self.figures),
@@ -568,8 +572,9 @@ class Regions:
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
                           for r in self.order],
                     refused={r.name: r.why for r in self.order if not r.usable},
-                    note=self.note, recompute_ms=self._elapsed_ms(self._recomputes),
-                    **self._step_counts)
+                    note=self.note, recomputed=step.recomputed_regions,
+                    dropped_bytes=step.recomputed_bytes, recompute_ms=step.recompute_ms,
+                    kept_calls=self._kept_calls)
 
 
 def _bandwidth(device) -> float:

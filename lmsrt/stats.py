@@ -41,6 +41,10 @@ class StepStats:
     rebuilt_tensors: int = _summed(0)
     rebuild_ms: float = _summed(0.0)      # GPU time of those rebuilds
     rebuild_checks: int = _summed(0)      # rebuilds checked bit for bit against a copy
+    recomputed_regions: int = _summed(0)  # region calls whose saved tensors forward dropped, to
+                                          # run again in backward (regions.py)
+    recomputed_bytes: int = _summed(0)    # what they dropped: freed without a copy
+    recompute_ms: float = _summed(0.0)    # GPU time of their reruns in backward (read once done)
     in_bytes: int = _summed(0)            # brought back for backward
     in_tensors: int = _summed(0)
     prefetch_hits: int = _summed(0)       # needed tensor was already fetched ahead
@@ -84,6 +88,11 @@ class StepStats:
         else:
             self.kept_bytes += nbytes
             self.kept_tensors += tensors
+
+    def count_recomputed(self, nbytes: int) -> None:
+        """A region call dropped ``nbytes`` of saved tensors, to run again in backward."""
+        self.recomputed_regions += 1
+        self.recomputed_bytes += nbytes
 
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -131,18 +140,23 @@ class RunStats:
 
 
 def moved(stats: Dict[str, object]) -> bool:
-    """Whether LMS swapped or rebuilt anything in the run ``stats`` (``LMS.stats()``) describes."""
+    """Whether LMS swapped, rebuilt or recomputed anything in the run ``stats``
+    (``LMS.stats()``) describes."""
     t = stats["total"]
-    return bool(t["out_bytes"] or t["recipe_bytes"])
+    return bool(t["out_bytes"] or t["recipe_bytes"] or t["recomputed_regions"])
 
 
 def format_brief(stats: Dict[str, object]) -> str:
     """The summary in one line: ``'lmsrt: 6 steps, swapped out 1.50 MiB (12 tensors), ...'``."""
     t = stats["total"]
+    regions = (f", recomputed {t['recomputed_regions']} region calls "
+               f"({format_bytes(t['recomputed_bytes'])} freed, {t['recompute_ms']:.1f} ms GPU)"
+               if t["recomputed_regions"] else "")
     return (f"lmsrt: {t['steps']} step{'' if t['steps'] == 1 else 's'}, swapped out "
             f"{format_bytes(t['out_bytes'])} ({t['out_tensors']} tensors), rebuilt "
-            f"{format_bytes(t['recipe_bytes'])}, GPU peak {format_bytes(t['gpu_peak_bytes'])}, "
-            f"host pinned peak {format_bytes(t['host_peak_bytes'])}")
+            f"{format_bytes(t['recipe_bytes'])}{regions}, GPU peak "
+            f"{format_bytes(t['gpu_peak_bytes'])}, host pinned peak "
+            f"{format_bytes(t['host_peak_bytes'])}")
 
 
 def format_summary(stats: Dict[str, object]) -> str:
@@ -160,10 +174,12 @@ def format_summary(stats: Dict[str, object]) -> str:
                      f"{format_bytes(last['headroom_bytes'])}), predicted peak "
                      f"{format_bytes(last['predicted_peak_bytes'])}; {last['policy_note']}")
     regions = stats.get("regions")
-    if regions and (regions["planned"] or regions["phase"] == "timing"):
-        lines.append(f"regions: {regions['recomputed']} of {regions['regions']} recomputed last "
-                     f"step ({format_bytes(regions['dropped_bytes'])} dropped in forward, "
-                     f"{regions['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
+    recomputed = regions and (regions["planned"] or regions["phase"] == "timing"
+                              or t["recomputed_regions"])
+    if recomputed:
+        lines.append(f"regions: {last['recomputed_regions']} of {regions['regions']} recomputed "
+                     f"last step ({format_bytes(last['recomputed_bytes'])} freed in forward, "
+                     f"{last['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
     lines.append(f"{'':22}{'last step':>14}{'total':>14}")
     rows = [
         ("steps", None, t["steps"]),
@@ -177,6 +193,10 @@ def format_summary(stats: Dict[str, object]) -> str:
            ("  rebuild GPU (ms)", last["rebuild_ms"], t["rebuild_ms"]),
            ("  checked bit for bit", last["rebuild_checks"], t["rebuild_checks"])]
           if stats["config"].get("recompute") else []),
+        *([("regions recomputed", last["recomputed_regions"], t["recomputed_regions"]),
+           ("  freed in forward", last["recomputed_bytes"], t["recomputed_bytes"]),
+           ("  recompute GPU (ms)", last["recompute_ms"], t["recompute_ms"])]
+          if recomputed else []),
         ("  prefetch hits", last["prefetch_hits"], t["prefetch_hits"]),
         ("  prefetch misses", last["prefetch_misses"], t["prefetch_misses"]),
         ("  prefetch dropped", last["prefetch_dropped"], t["prefetch_dropped"]),
@@ -207,6 +227,7 @@ def format_summary(stats: Dict[str, object]) -> str:
             elif "bytes" in name or name in ("swapped out", "  beyond the plan", "swapped in",
                                              "kept on GPU",
                                              "rebuilt, not moved", "  rebuilt in backward",
+                                             "  freed in forward",
                                              "kept, alive anyway", "GPU peak allocated",
                                              "host pinned peak", "host pinned",
                                              "  pinned ahead"):

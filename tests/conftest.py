@@ -22,6 +22,7 @@ os.environ.setdefault("LMSRT_PIN_AHEAD", "off")
 
 import pytest
 import torch
+from models import rebuild_small_tensors
 
 import lmsrt.cache
 
@@ -31,6 +32,14 @@ def _records_of_this_test_only(tmp_path, monkeypatch):
     """Each test's LMS objects keep their records of pinned memory (NOTE [ Pinning ahead ]) in
     the test's own folder: another test's, or an earlier run's, must not change what it pins."""
     monkeypatch.setattr(lmsrt.cache, "pins_dir", lambda: str(tmp_path / "pins"))
+
+
+@pytest.fixture
+def small_rebuilds_pay(request, monkeypatch):
+    """On CUDA (a test's ``kind`` parameter), the tests' small rebuilds pass the cost rule
+    (``models.rebuild_small_tensors``); on the simulated device they do already."""
+    callspec = getattr(request.node, "callspec", None)
+    rebuild_small_tensors(callspec.params.get("kind", "sim") if callspec else "sim", monkeypatch)
 
 
 def pytest_configure(config):

@@ -7,6 +7,7 @@ import shlex
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from lmsrt._cli import main
@@ -183,3 +184,11 @@ def test_readme_settings_table_is_the_options_table():
     rows = settings_table((ROOT / "README.md").read_text(encoding="utf-8"))
     assert rows == {name: (option.flag or "", option.env, format_setting(option.default))
                     for name, option in OPTIONS.items()}
+
+
+def test_readme_states_the_torch_that_pyproject_requires():
+    """The floor in pyproject.toml is the one README gives a reason for."""
+    floor = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f"needs torch {floor}\nor later" in (ROOT / "README.md").read_text()
+    assert hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+

@@ -18,7 +18,6 @@ from models import (
     assert_same,
     make_lms,
     mlp,
-    rebuild_small_tensors,
     run_threads,
     torch_device,
     train_step,
@@ -26,11 +25,7 @@ from models import (
 
 from lmsrt.rebuild import RecipeTable
 
-
-@pytest.fixture(autouse=True)
-def _small_rebuilds_pay(request, monkeypatch):
-    callspec = getattr(request.node, "callspec", None)
-    rebuild_small_tensors(callspec.params.get("kind", "sim") if callspec else "sim", monkeypatch)
+pytestmark = pytest.mark.usefixtures("small_rebuilds_pay")
 
 
 # -- threads ------------------------------------------------------------------------------------

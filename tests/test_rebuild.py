@@ -19,7 +19,6 @@ from models import (
     assert_same,
     lmsrt_warnings,
     make_lms,
-    rebuild_small_tensors,
     torch_device,
     train_step,
 )
@@ -34,11 +33,7 @@ from lmsrt.rebuild import Recipe, Recorder, census, view_of
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from workloads import GPTBlock
 
-
-@pytest.fixture(autouse=True)
-def _small_rebuilds_pay(request, monkeypatch):
-    callspec = getattr(request.node, "callspec", None)
-    rebuild_small_tensors(callspec.params.get("kind", "sim") if callspec else "sim", monkeypatch)
+pytestmark = pytest.mark.usefixtures("small_rebuilds_pay")
 
 
 def _blocks(d=64, n=2):

@@ -11,6 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 import lmsrt
 from lmsrt.regions import StepFigures, choose_regions
+from lmsrt.stats import format_brief, moved
+from lmsrt.units import format_bytes
 
 
 class Block(nn.Module):
@@ -126,6 +128,43 @@ def test_dropout_and_autocast_recomputed_exactly(autocast):
 @pytest.mark.parametrize("autocast", [False, True])
 def test_dropout_and_autocast_recomputed_exactly_cuda(autocast):
     _check_dropout_and_autocast("cuda", autocast)
+
+
+def _check_figures(device: str):
+    """What was recomputed, per step and summed: how many region calls, the bytes they freed
+    in forward, their GPU time in backward; in the summary, its one line and ``moved``."""
+    x = torch.randn(4, 16, 32, device=_torch_device(device))
+    lms = _check_exact(device, lambda: Stack(32, 4), x, steps=5)
+    if device != "sim":
+        torch.cuda.synchronize()        # the last recomputes' times are read once they are done
+    stats = lms.stats()
+    steps, total = stats["history"] + [stats["last_step"]], stats["total"]
+    assert [s["recomputed_regions"] for s in steps] == [0, 4, 4, 4, 4]
+    assert steps[0]["recomputed_bytes"] == 0 and steps[0]["recompute_ms"] == 0
+    assert all(s["recomputed_bytes"] > 0 and s["recompute_ms"] > 0 for s in steps[1:]), steps
+    for name in ("recomputed_regions", "recomputed_bytes"):
+        assert total[name] == sum(s[name] for s in steps)
+    assert total["recompute_ms"] == pytest.approx(sum(s["recompute_ms"] for s in steps))
+    regions = stats["regions"]
+    assert (regions["recomputed"], regions["dropped_bytes"], regions["recompute_ms"]) == (
+        4, steps[-1]["recomputed_bytes"], steps[-1]["recompute_ms"])
+    summary = lms.summary()
+    assert "regions: 4 of 4 recomputed last step" in summary and regions["note"] in summary
+    for row in ("regions recomputed", "  freed in forward", "  recompute GPU (ms)"):
+        assert row in summary
+    assert f"recomputed 16 region calls ({format_bytes(total['recomputed_bytes'])} freed" in \
+        format_brief(stats)
+    only_recomputed = dict(stats, total=dict(total, out_bytes=0, recipe_bytes=0))
+    assert moved(only_recomputed)        # lmsrt run prints the table for such a run
+
+
+def test_what_was_recomputed_is_in_the_stats_and_the_summary():
+    _check_figures("sim")
+
+
+@pytest.mark.cuda
+def test_what_was_recomputed_is_in_the_stats_and_the_summary_cuda():
+    _check_figures("cuda")
 
 
 def _check_batch_norm(device: str):

@@ -27,7 +27,6 @@ from models import (
     lmsrt_warnings,
     make_lms,
     mlp,
-    rebuild_small_tensors,
     run_threads,
     torch_device,
     train_step,
@@ -560,8 +559,8 @@ def test_threads_share_one_lms_with_exact_gradients(kind):
 
 
 @pytest.mark.parametrize("kind", DEVICES)
-def test_threads_share_one_lms_rebuilding_with_exact_gradients(kind, monkeypatch):
-    rebuild_small_tensors(kind, monkeypatch)
+@pytest.mark.usefixtures("small_rebuilds_pay")
+def test_threads_share_one_lms_rebuilding_with_exact_gradients(kind):
     # Each thread records on its own recorder into the one table; rebuilds read pinned inputs.
     lms = _check_threads(kind, recompute=True)
     assert lms.stats()["total"]["rebuilt_bytes"] > 0

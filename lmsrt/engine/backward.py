@@ -73,6 +73,11 @@ class UnpackSide:
             if watch.generation != s.generation:       # a handle counts once per restored copy
                 watch.generation = s.generation
                 s.unpacked += 1
+            if s.unpacked >= len(s.watches) and s.kept == "held":
+                # A source forward kept (NOTE [ Deferred copies ]) is the model's own from
+                # here, as a restored copy handed out is: autograd holds it while it reads.
+                s.kept = "used"
+                self._held_bytes -= s.nbytes
             if s.unpacked >= len(s.watches) and s.gpu is not None:
                 # Every live view has been handed out: autograd's references keep the block
                 # alive for as long as it is read; ours would keep it for the rest of backward.

@@ -5,20 +5,34 @@ A swap that must not leave its tensor on the GPU (a planned step, the
 learning step) would wait for the pin that serves it (host.py, NOTE [ Pinning ]): in the first step
 that is most of the pinning, on the training thread (docs/design.md, "Measurements behind the
 engine's rules"). Outside a planned step (whose plan counts on each source's drop at its point),
-while GPU use is under a quarter of the limit, it waits for nothing: the storage is swapped later
-(``_defer``), its source held by lmsrt (counted in ``_held_bytes``; a recorded profile counts it as
-the model's own, as the model may well still use it meanwhile: ``_lmsrt_bytes``) and its copy
-started in save order once pins land (checked at each save). Once use passes the quarter, the
-remaining deferred copies start first, waiting for their pins, so the step holds no more than it
-would have. When forward ends, those still without a pin start too, waiting, unless use is under
-1/16 of the limit: then they stay on the GPU for backward (counted as kept), where there is room (a
-backward needing 15x its forward's end use is not a real model), and waiting would stall the step
-for copies that free nothing in time. Unpack reads a held source as it reads any other. Under auto
-(``pins_for_deferred`` false) a deferral starts no pin (only host memory already pinned, a layout
-pinned ahead by cache.py, takes a copy at once), and forward that ends under the quarter keeps what
-it deferred: a model that small fits, and its first step neither pins nor moves a byte (a backward
-needing 3x its forward's end use on top is not a real model). (The quarter and the 1/16 are the
-policy's: ``may_defer``, ``may_keep_deferred``.)"""
+while GPU use is under the policy's share of the limit (``may_defer``: a quarter for a fixed
+mark, half under auto), it waits for nothing: the storage is swapped later (``_defer``), its
+source held by lmsrt (counted in ``_held_bytes``) and its copy started in save order once pins
+land (checked at each save). Once use passes the share, the remaining deferred copies start
+first, waiting for their pins, so the step holds no more than it would have. When forward ends,
+those still without a pin start too, waiting, unless the policy keeps them (``may_keep_deferred``):
+then they stay on the GPU for backward (counted as kept; ``Offloaded.kept``), where waiting would
+stall the step for copies that free nothing in time. A fixed mark keeps them under 1/16 of the
+limit (a backward needing 15x its forward's end use is not a real model).
+  Under auto (``pins_for_deferred`` false) a deferral starts no pin (only host memory already
+  pinned, a layout pinned ahead by cache.py, takes a copy at once), and a forward that ends under
+  half the limit keeps all it deferred: such a model fits, and its first step neither pins nor
+  moves a byte. What can go wrong, and why it does not in practice:
+  1. Backward needs the rest of the limit on top of forward's end use, which is at least half of
+     it: only a backward whose own use passes its forward's whole end use (activations, weights,
+     optimizer state) runs out where step 1 used to swap. A model's backward adds gradients (at
+     most the weights) and one layer's temporaries.
+  2. The optimizer's first step creates its state after backward, when the kept sources are
+     gone; the next step begins with it, and its plan counts from use at its first save.
+  3. Later planned steps learn from this one. The profile counts a kept source as the model's
+     own in forward (the model may still use it: a residual stream) and as lmsrt's in backward
+     until backward holds every view of it, as it counts a restored copy
+     (``Profile.own_in_forward``, ``_end_deferred``, ``UnpackSide._unpack``): a plan that keeps
+     it adds its bytes once, not twice, and may still offload it where the step needs room.
+  4. cuDNN picks its algorithms in the first step by the memory free then (NOTE [ Auto ], 1):
+     with half the limit free, only a workspace over half of it is given up.
+Unpack reads a held source as it reads any other; a recorded profile counts a deferred source as
+the model's own (``_lmsrt_bytes``)."""
 from __future__ import annotations
 
 import torch
@@ -60,10 +74,15 @@ class DeferredCopies:
         try:
             self._copy_deferred(
                 wait=not self.policy.may_keep_deferred(self.device.memory_allocated()))
+            st = self.state
             for s in self._deferred:
                 if not s.dead and s.source is not None:
                     self.step.count_kept(s.nbytes)
-                    self.state.deferred_kept += s.nbytes
+                    st.deferred_kept += s.nbytes
+                    s.kept = "held"
+                    if st.rec is not None:           # lmsrt's from here on
+                        st.rec.own_in_forward(s.seq)
+                        st.rec_lmsrt += s.nbytes
         finally:
             self._deferred.clear()
 

@@ -39,7 +39,7 @@ class Offloaded:
     __slots__ = ("nbytes", "index", "seq", "storage_ref", "version", "stream", "stream_key",
                  "source", "counter", "host", "copy_done", "gpu", "fetch_done", "fetch_waited",
                  "watches", "unpacked", "generation", "consumed", "dead", "recipe", "check",
-                 "inputs", "needed_by", "sample")
+                 "inputs", "needed_by", "sample", "kept")
 
     def __init__(self, nbytes: int, seq: int, storage_ref, version: int, stream, stream_key):
         self.nbytes = nbytes
@@ -67,6 +67,9 @@ class Offloaded:
         self.inputs: tuple = ()         # what its recipe reads: entries it needs, kept storages
         self.needed_by: set = set()     # ids of the storages whose recipes will read this one
         self.sample = None              # a few of its words, for a rebuild to match (params.py)
+        # Deferred, never copied, kept for backward (NOTE [ Deferred copies ]): "held" while
+        # lmsrt's (in ``_held_bytes``), "used" once backward has every view; else None.
+        self.kept: Optional[str] = None
 
 
 class Kept:

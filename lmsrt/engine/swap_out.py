@@ -107,9 +107,10 @@ class SwapOut:
         source = s.source
         if source is not None:
             s.source = None
-            self._held_bytes -= s.nbytes
+            if s.kept != "used":
+                self._held_bytes -= s.nbytes
             s.counter = counter_only(source)   # NOTE [ Interrupts and versions ], c
             del source
-            if self.state.rec is not None and s.storage_ref() is not None:
+            if self.state.rec is not None and s.kept is None and s.storage_ref() is not None:
                 self.state.rec.own_from(s.seq)       # held on by the model: its own use from here
 

@@ -59,7 +59,9 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      model's, not the plan's (a fresh policy gave back what allocation failures had taught, and
      a failure makes cuDNN keep a slower algorithm for the run). Under benchmark mode the step
      that learns runs shapes cuDNN has tuned already: learnt at once.
-A model that fits under the bound keeps everything: nothing moves.
+A model that fits under the bound keeps everything: nothing moves; and from its first step where
+use stays under half the limit (its swaps deferred, then kept: engine/deferred.py, NOTE [ Deferred
+copies ]).
 
 """
 from __future__ import annotations
@@ -91,7 +93,7 @@ class AutoPolicy(LimitShares):
     """
 
     adapts_to_retries = True           # more headroom for retries near the bound (4)
-    pins_for_deferred = False          # a step under a quarter of the limit keeps what it defers
+    pins_for_deferred = False          # a step under half the limit keeps what it defers
 
     def __init__(self, limit: int, window: int):
         self.limit = limit
@@ -149,12 +151,18 @@ class AutoPolicy(LimitShares):
             plan.expect(prof.sizes)
             self._make_plan(plan, base)
 
-    def swap_at(self, plan: OffloadPlan, i: int) -> int:
+    def _level_at(self, plan: OffloadPlan, levels: List[int], i: int) -> int:
+        """Level ``i`` of this plan's ``levels`` (relative to the step's base) in a planned
+        step; 0 in a step that learns or has grown past what was learnt (NOTE [ Auto ], 5); the
+        reactive level elsewhere."""
         if self.learning or plan.grown:
             return 0
-        if plan.mode == "plan" and i < len(self._swap):
-            return self._base + self._swap[i]
+        if plan.mode == "plan" and 0 <= i < len(levels):
+            return self._base + levels[i]
         return self._reactive
+
+    def swap_at(self, plan: OffloadPlan, i: int) -> int:
+        return self._level_at(plan, self._swap, i)
 
     def swap_levels(self, plan: OffloadPlan, n: int) -> List[int]:
         """``swap_at`` of points 0 to n - 1, in one call."""
@@ -167,21 +175,20 @@ class AutoPolicy(LimitShares):
         return levels + [self._reactive] * (n - len(levels))
 
     def hold_to(self, plan: OffloadPlan, i: int) -> int:
-        if self.learning or plan.grown:
-            return 0
-        if plan.mode == "plan" and i < len(self._hold):
-            return self._base + self._hold[i]
-        return self._reactive
+        return self._level_at(plan, self._hold, i)
 
     def lean_step(self, plan: OffloadPlan) -> bool:
         """A planned step that offloads nothing, and learns nothing, may take the lean path
         that keeps everything (engine/native.py, NOTE [ Steps that keep everything ])."""
         return plan.planned and plan.target == 0 and self._recording is None
 
-    def may_keep_deferred(self, use: int) -> bool:
-        """Deferred swaps stay on the GPU for backward while use is under a quarter of the
-        limit: a model that small fits (engine/deferred.py, NOTE [ Deferred copies ])."""
-        return use <= self.limit >> 2
+    def may_defer(self, use: int) -> bool:
+        """A swap that must not leave its tensor on the GPU is deferred while use is under half
+        the limit, and stays deferred for backward if forward ends there (``may_keep_deferred``):
+        a model that small fits (engine/deferred.py, NOTE [ Deferred copies ])."""
+        return use <= self.limit >> 1
+
+    may_keep_deferred = may_defer
 
     def lone_fetch_under(self, level: int) -> int:
         """At a fetch level of 0 (learning), the one storage fetched ahead goes only while use
@@ -194,11 +201,8 @@ class AutoPolicy(LimitShares):
         return level + (self.headroom >> 1) if level and plan.mode == "plan" else 0
 
     def fetch_to(self, plan: OffloadPlan, j: int) -> int:
-        if self.learning or plan.grown:
-            return 0
-        if plan.mode == "plan" and self._fetch:
-            return self._base + self._fetch[min(j, len(self._fetch) - 1)]
-        return self._reactive
+        """Past the last backward point learnt, its level holds."""
+        return self._level_at(plan, self._fetch, min(j, len(self._fetch) - 1))
 
     # -- learning ----------------------------------------------------------------------------
 

@@ -41,6 +41,13 @@ class Profile:
         if not self.closed:
             self.owned[i] = (self._point(), None)
 
+    def own_in_forward(self, i: int) -> None:
+        """Storage i stayed on the GPU through forward without a copy (a deferred swap that
+        forward ended without: engine/deferred.py, NOTE [ Deferred copies ]): counted as the
+        model's own from its save to forward's end, lmsrt's in backward (``kept_spans``)."""
+        if not self.closed:
+            self.owned[i] = (i + 1, len(self.fwd_own))
+
     def watch(self, storage, i: int) -> "_Freed":
         """A weak reference to storage i whose death closes its span in ``held`` at the point
         where it happened. The callback is a deque's C ``append``: no Python frame runs while

@@ -83,12 +83,13 @@ class LimitShares:
     def may_defer(self, use: int) -> bool:
         """Whether a swap that must not leave its tensor on the GPU may still start its copy
         later, once its pin lands (engine/deferred.py, NOTE [ Deferred copies ]): while use is
-        under a quarter of the limit. Over it, deferred copies start at once, waiting."""
+        under a quarter of the limit (auto: half). Over it, deferred copies start at once,
+        waiting."""
         return use <= self.limit >> 2
 
     def may_keep_deferred(self, use: int) -> bool:
         """Whether deferred swaps still without a pin when forward ends stay on the GPU for
-        backward: while use is under 1/16 of the limit."""
+        backward: while use is under 1/16 of the limit (auto: half)."""
         return use <= self.limit >> 4
 
     def check_fits(self, use: int) -> bool:
