@@ -25,6 +25,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Callable, List, Optional
@@ -67,7 +68,8 @@ __all__ = ["CompileAdvice", "capturing", "hooks_aside", "install", "made_regions
 #      and is learnt afresh (``SwapEngine.relearn``: what the model saves has changed). The
 #      choice is made as that step begins (its step listener), or at its first block call
 #      where a step begins only at its first save (one ``with`` around the loop, ``lmsrt
-#      run``). regions.py leaves compiled blocks alone (its Rule 1).
+#      run``). regions.py leaves compiled blocks alone (its Rule 1). A model that runs no
+#      backward under LMS (inference) keeps its blocks eager.
 #   7. The budget (``torch._functorch.config.activation_memory_budget``: the share of what
 #      the blocks save at torch's default that they may keep) is the policy's
 #      (``compiled_budget``, region_plan.memory_budget), from the learnt step: its excess over
@@ -151,8 +153,8 @@ class CompileAdvice:
     """
 
     def __init__(self, engine, say: Callable[[str, str], None]):
-        from .regions import SIM_BANDWIDTH   # (regions.py imports the engine, which imports
-                                             # diagnostics.py, which imports this module)
+        # (Imported here: regions.py imports the engine, whose diagnostics.py imports this.)
+        from .regions import SIM_BANDWIDTH
         self.engine, self.say = engine, say
         self.ready = False             # blocks are compiled from now on
         self.budget = 1.0              # their activation_memory_budget (1.0: torch's default)
@@ -180,6 +182,14 @@ class CompileAdvice:
             self._step, self.blocks = now, 0
         self.blocks += after - (before if now == step else 0)
         return out
+
+    def stats(self) -> Optional[dict]:
+        """For ``LMS.stats()["compiled"]``, once blocks were compiled under this LMS: their
+        budget, what they saved in the step it was chosen from, and that step's figures."""
+        if not self.ready:
+            return None
+        return dict(budget=self.budget, blocks_bytes=self.blocks,
+                    figures=dataclasses.asdict(self.figures))
 
     def _begin_step(self, step: int) -> None:
         if not self.ready and self.blocks and self._step == step - 1:
@@ -264,7 +274,8 @@ class _Regional:
 
     def _compile(self, budget: float) -> Callable:
         """Compile the blocks (Rules 3-5), under ``budget`` (Rule 7)."""
-        import torch._functorch.config as functorch_config     # loaded with torch.compile
+        import torch._functorch.config as functorch_config  # loaded with torch.compile
+
         region = _torch_compile(_run_block, **_block_arguments(self.kwargs, self.say))
         if budget < functorch_config.activation_memory_budget:
             region = functorch_config.patch(activation_memory_budget=budget)(region)

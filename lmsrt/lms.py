@@ -242,6 +242,7 @@ class LMS:
             "history": [s.as_dict() for s in self._engine.run_stats.history]
             if self._engine else [],
             "regions": self._regions.stats() if self._regions else None,
+            "compiled": self._compile_advice.stats() if self._compile_advice else None,
         }
 
     def summary(self) -> str:

@@ -276,8 +276,8 @@ def test_lmsrt_run_compiles_a_whole_model_block_by_block(tmp_path):
 
 def test_memory_budget_from_a_steps_figures():
     # NOTE [ Regions under LMS ], Rule 7: the share of the blocks' saves they may keep.
-    from lmsrt.region_plan import LEAST_BUDGET, StepFigures, memory_budget
     from lmsrt.policy import make_policy
+    from lmsrt.region_plan import LEAST_BUDGET, StepFigures, memory_budget
     gib = 1 << 30
     step = StepFigures(excess=6 * gib, saved=16 * gib, rebuilt=0, t_fwd=0.0, t_bwd=0.0,
                        bandwidth=55e9)
@@ -375,6 +375,7 @@ def _check_budget(kind, monkeypatch):
     assert budget < 1.0 and budget == memory_budget(advice.figures, advice.blocks)
     assert budgets and set(budgets) == {budget}, budgets      # patched as they were compiled
     assert compiled.forward.budget == budget
+    assert lms.stats()["compiled"]["budget"] == budget
     lines = [m for m in said if "activation_memory_budget" in m]
     assert len(lines) == 1 and f"activation_memory_budget={budget:g}," in lines[0], said
     # The same compiled graphs without lmsrt: the same bytes, and fewer saved.
@@ -405,7 +406,8 @@ def test_blocks_compile_after_the_learnt_step_under_its_budget(kind, monkeypatch
         assert budget == 0.45       # 143 of the blocks' 272 KiB over the bound, at the capacity
 
 
-@pytest.mark.parametrize("around_the_loop", [False, True], ids=["with-each-step", "with-around-loop"])
+@pytest.mark.parametrize("around_the_loop", [False, True],
+                         ids=["with-each-step", "with-around-loop"])
 def test_the_step_that_compiles_the_blocks_is_learnt(around_the_loop, monkeypatch):
     # A step begins as `with lms:` is entered, or, with one `with` around the loop (as under
     # lmsrt run), at its first save: here inside the first block. Either way the whole of step 2
