@@ -208,7 +208,7 @@ class CompileAdvice:
         self.ready = True
         engine.relearn()
         if self.budget < 1.0:
-            self.say("budget", f"lmsrt: step 1 would have passed the bound by "
+            self.say("budget", f"lmsrt: step {self._step} would have passed the bound by "
                      f"{format_bytes(excess)} had it kept what it saved, of which the compiled "
                      f"blocks save {format_bytes(self.blocks)}: they are compiled with "
                      f"torch._functorch.config.activation_memory_budget={self.budget:g}, the "
