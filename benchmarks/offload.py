@@ -16,9 +16,11 @@ of lmsrt that refuses it gets the outcome "unsupported"). --recompute both runs 
 again with recompute=True (method "lmsrt+rb": cheap saved tensors rebuilt in backward, not moved),
 and prints each against its twin. --compile compiles the workload's model as a user would,
 ``torch.compile(model)`` (the loss and optimizer stay eager); under lmsrt that model is compiled
-block by block (lmsrt/compiled.py). Compare with a run without --compile for the eager rows.
+block by block (lmsrt/compiled.py), from its second step, under the recompute budget lmsrt
+chooses where memory is short. Compare with a run without --compile for the eager rows.
 --memory-budget B sets torch._functorch.config.activation_memory_budget (the compiled graphs'
-recompute budget, a fraction of what they would save) in every method, as a user would.
+recompute budget, a fraction of what they would save) in every method, as a user would; under
+lmsrt a lower budget of its own still applies to the blocks.
 
 The method ckpt is activation checkpointing as a user writes it (torch.utils.checkpoint,
 use_reentrant=False): one checkpoint per block of the transformer stacks (gpt, gptbig, lm), and
@@ -200,7 +202,7 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
         last = lms.stats()["last_step"]
         res.update(moved_gib=last["out_bytes"] / GiB, rebuilt_gib=last.get("recipe_bytes", 0) / GiB,
                    stats=last, summary=lms.summary(), regions=lms.stats().get("regions"),
-                   history=lms.stats()["history"])
+                   compiled=lms.stats().get("compiled"), history=lms.stats()["history"])
     if method == "reference":
         res["t_fwd"], res["t_bwd"], res["t_opt"] = _phases(work, steps)
         res["bandwidth"] = _bandwidth()

@@ -11,6 +11,12 @@ Each step prints its time and peak GPU memory; the LMS summary comes at the end.
     python examples/train_gpt.py --gpu-limit 10                     # as on a 10 GiB GPU: OOM
     python examples/train_gpt.py --gpu-limit 10 --lms 1000       # trains (lms_frac auto)
     lmsrt run --gpu-limit 10 --lms 1000 examples/train_gpt.py
+    lmsrt run --gpu-limit 10 --lms 1000 examples/train_gpt.py --compile     # compiled, as below
+
+With --compile the model is compiled whole (``model = torch.compile(model)``, as nanoGPT's
+train.py does). Under LMS lmsrt compiles its blocks one by one instead, from the second step
+(the first runs them eagerly while lmsrt learns it), and where memory is short lets the compiler
+recompute more of what they save (docs/compiled.md). The first compiled step takes a while.
 
 The defaults (d_model 1024, 16 layers, batch 8, seq 2048) save about 10 GiB for backward per
 step, and the weights, gradients and AdamW state take 3.5 GiB more. Pick a --gpu-limit below the
@@ -48,6 +54,7 @@ parser.add_argument("--vocab", type=int, default=8192)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--gpu-limit", type=float, default=None, help="cap GPU memory at this many GiB")
 parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+parser.add_argument("--compile", action="store_true", help="torch.compile the model")
 args = parser.parse_args()
 
 device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,6 +111,8 @@ class GPT(nn.Module):
 torch.manual_seed(0)
 model = GPT(args.vocab, args.d_model, args.layers, args.seq_len).to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+if args.compile:
+    model = torch.compile(model)
 print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}")
 idx = torch.randint(args.vocab, (args.batch_size, args.seq_len + 1), device=device)
 x, y = idx[:, :-1], idx[:, 1:]

@@ -6,8 +6,10 @@ between compiled regions (engine.py warns of it). A model compiled whole is one 
 could not help it at all. While an LMS is live, a model compiled whole (``torch.compile(model)``
 or ``model.compile()``) is compiled block by block instead, as torch's "regional compilation"
 recipe does by hand: each repeated block (``repeated_blocks``) becomes a region of its own and the
-glue between them runs eagerly, so lmsrt swaps between blocks. NOTE [ Regions under LMS ] has
-the rules.
+glue between them runs eagerly, so lmsrt swaps between blocks. The blocks run eagerly while the
+LMS learns its first step, and are compiled from the next, with the partitioner's recompute
+budget set from what that step showed where memory is short (``CompileAdvice``). NOTE [ Regions
+under LMS ] has the rules.
 
 CUDA graph capture cannot run saved-tensor hooks that copy, record events or wait (the capture
 is invalidated): lmsrt's hooks leave the stack while ``torch.cuda.graph`` captures, and tensors
@@ -23,15 +25,20 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, List
+import weakref
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
 
 from .hook_stack import hooks_aside
+from .region_plan import StepFigures, over_bound
+from .units import format_bytes
 
-__all__ = ["capturing", "hooks_aside", "install", "made_regions", "repeated_blocks"]
+__all__ = ["CompileAdvice", "capturing", "hooks_aside", "install", "made_regions",
+           "repeated_blocks"]
 
 # NOTE [ Regions under LMS ]
 #   1. The choice is made at each call, not at compile time: a script may compile its model
@@ -56,6 +63,25 @@ __all__ = ["capturing", "hooks_aside", "install", "made_regions", "repeated_bloc
 #      function taking the block as an argument: dynamo does not compile a frame of torch.nn's own
 #      (``nn.Sequential().compile()`` compiles nothing), and one function for all blocks keeps
 #      Rule 4.
+#   6. The blocks run eagerly until the LMS has learnt a step: their saves are counted, and
+#      the step that follows one whose blocks saved something and ran backward compiles them
+#      and is learnt afresh (``SwapEngine.relearn``: what the model saves has changed). The
+#      choice is made as that step begins (its step listener), or at its first block call
+#      where a step begins only at its first save (one ``with`` around the loop, ``lmsrt
+#      run``). regions.py leaves compiled blocks alone (its Rule 1). A model that runs no
+#      backward under LMS (inference) keeps its blocks eager.
+#   7. The budget (``torch._functorch.config.activation_memory_budget``: the share of what
+#      the blocks save at torch's default that they may keep) is the policy's
+#      (``compiled_budget``, region_plan.memory_budget), from the learnt step: its excess over
+#      the bound with everything kept, the blocks' saves, the link's bandwidth, and no compute
+#      to hide copies under (a compiled forward's time is not known before it is compiled, and
+#      the learning step's is no measure of it: a budget too low costs recompute, ~10% of an
+#      uncapped GPT-2 step at 0.3, one too high, copies that stall the step). Under 1.0 the
+#      compiled blocks are called under ``config.patch``: the min-cut partitioner (inductor,
+#      aot_eager, aot_eager_decomp_partition) reads it as it compiles, dynamo does not guard
+#      on it (later calls reuse the graph, patched or not), and AOTAutograd's cache keys on it.
+#      A lower budget set by the script stays. Said once, with why. With no excess (the model
+#      fits, or the simulated device's copies cost nothing) nothing is patched.
 
 _CUDA_GRAPH_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
@@ -115,22 +141,105 @@ def _run_block(block: nn.Module, *args, **kwargs):
     return block._call_impl(*args, **kwargs)
 
 
+class CompileAdvice:
+    """What a live LMS tells the blocks of a model compiled whole: whether to compile them yet,
+    and under which recompute budget (NOTE [ Regions under LMS ], Rules 6 and 7). One per LMS
+    that swaps; the decision is the policy's, its effect ``_Regional``'s.
+
+    Example::
+
+        advice = CompileAdvice(engine, say_once)
+        advice.ready, advice.budget          # (False, 1.0) until a step is learnt
+    """
+
+    def __init__(self, engine, say: Callable[[str, str], None]):
+        # (Imported here: regions.py imports the engine, whose diagnostics.py imports this.)
+        from .regions import SIM_BANDWIDTH
+        self.engine, self.say = engine, say
+        self.ready = False             # blocks are compiled from now on
+        self.budget = 1.0              # their activation_memory_budget (1.0: torch's default)
+        self.figures: Optional[StepFigures] = None   # what the budget was chosen from
+        self.blocks = 0                # bytes the blocks saved in step ``_step`` (eager)
+        self._step = 0
+        # The simulated device's copies take no step time (a test sets this to make them cost).
+        self.bandwidth: Optional[float] = SIM_BANDWIDTH if engine.device.kind == "sim" else None
+        listener = weakref.WeakMethod(self._begin_step)
+        engine.step_listeners.append(lambda step: (listener() or _ignore)(step))
+
+    def compile_now(self) -> bool:
+        """Asked at each eager block call: whether the blocks are compiled from this call on."""
+        if not self.ready and self.blocks and self.engine.after_backward():
+            self._choose()               # the next save begins the step after (Rule 6)
+        return self.ready
+
+    def measured(self, call: Callable, *args, **kwargs):
+        """``call`` (a block's eager call), its saves counted into ``blocks``."""
+        engine = self.engine
+        step, before = engine.saved_so_far()
+        out = call(*args, **kwargs)
+        now, after = engine.saved_so_far()
+        if now != self._step:            # a step began (inside this call, or before it)
+            self._step, self.blocks = now, 0
+        self.blocks += after - (before if now == step else 0)
+        return out
+
+    def stats(self) -> Optional[dict]:
+        """For ``LMS.stats()["compiled"]``, once blocks were compiled under this LMS: their
+        budget, what they saved in the step it was chosen from, and that step's figures."""
+        if not self.ready:
+            return None
+        return dict(budget=self.budget, blocks_bytes=self.blocks,
+                    figures=dataclasses.asdict(self.figures))
+
+    def _begin_step(self, step: int) -> None:
+        if not self.ready and self.blocks and self._step == step - 1:
+            self._choose()
+
+    def _choose(self) -> None:
+        """Rule 7: the budget, from the step just learnt (the engine's step in flight)."""
+        engine = self.engine
+        saved, excess = over_bound(engine.current_step(), engine.mark)
+        if self.bandwidth is None:
+            from .regions import link_bandwidth
+            self.bandwidth = link_bandwidth(engine.device)
+        # Compiled blocks' saves are fused kernels' outputs: none is rebuilt.
+        self.figures = StepFigures(excess, saved, 0, 0.0, 0.0, self.bandwidth)
+        self.budget = engine.policy.compiled_budget(self.figures, self.blocks)
+        self.ready = True
+        engine.relearn()
+        if self.budget < 1.0:
+            self.say("budget", f"lmsrt: step {self._step} would have passed the bound by "
+                     f"{format_bytes(excess)} had it kept what it saved, of which the compiled "
+                     f"blocks save {format_bytes(self.blocks)}: they are compiled with "
+                     f"torch._functorch.config.activation_memory_budget={self.budget:g}, the "
+                     "share of their saves they keep, so their backward recomputes the rest "
+                     "rather than wait for copies (said once).")
+
+
+def _ignore(step: int) -> None:
+    pass
+
+
 class _Regional:
     """The forward of a model compiled whole: the whole-model graph while no LMS is live, the
-    model run eagerly with its blocks compiled one by one once one is (Rule 1)."""
+    model run eagerly with its blocks one by one once one is (Rule 1): eager while the LMS
+    learns a step, then compiled (Rule 6)."""
 
     def __init__(self, model: nn.Module, whole: Callable, eager: Callable, kwargs: dict,
-                 live: Callable[[], bool], say: Callable[[str, str], None]):
+                 advice: Callable[[], Optional[CompileAdvice]],
+                 say: Callable[[str, str], None]):
         self.model, self.whole, self.eager = model, whole, eager
-        self.kwargs, self.live, self.say = kwargs, live, say
+        self.kwargs, self.advice, self.say = kwargs, advice, say
         self.regional = False
+        self.blocks: List[nn.Module] = []
+        self.budget: Optional[float] = None    # once its blocks are compiled: under which
 
     def __call__(self, *args, **kwargs):
-        if not self.regional and self.live():
-            self.regional = self._compile_blocks()
+        if not self.regional and self.advice() is not None:
+            self.regional = self._split()
         return (self.eager if self.regional else self.whole)(*args, **kwargs)
 
-    def _compile_blocks(self) -> bool:
+    def _split(self) -> bool:
         blocks = repeated_blocks(self.model)
         if blocks and not getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False):
             self.say("one-by-one", f"lmsrt: this torch ({torch.__version__}) would compile "
@@ -140,27 +249,49 @@ class _Regional:
                      "True before the first step, or use torch 2.5 or later (said once).")
             blocks = []
         if not blocks:
-            self.live = lambda: False       # nothing to split: compiled whole, asked no more
+            self.advice = lambda: None      # nothing to split: compiled whole, asked no more
             return False
-        region = _torch_compile(_run_block, **_block_arguments(self.kwargs, self.say))
+        self.blocks = blocks
         for block in blocks:
-            # What block.compile() does, through a frame of lmsrt's own (Rule 5).
-            block._compiled_call_impl = functools.partial(region, block)
+            # Called eagerly, then compiled, through a frame of lmsrt's own (Rules 5, 6).
+            block._compiled_call_impl = functools.partial(self._call_block, block)
         global _regional_models
         _regional_models += 1
         kinds = sorted({type(b).__name__ for b in blocks})
         self.say("regions", f"lmsrt: torch.compile({type(self.model).__name__}) under LMS "
-                 f"compiles its {len(blocks)} {'/'.join(kinds)} blocks one by one and runs the "
-                 "rest eagerly, so that saved tensors can be swapped between blocks (a compiled "
-                 "region hands them over only after its forward; said once).")
+                 f"compiles its {len(blocks)} {'/'.join(kinds)} blocks one by one, once lmsrt has "
+                 "learnt a step (they run eagerly until then), and runs the rest eagerly, so "
+                 "that saved tensors can be swapped between blocks (a compiled region hands them "
+                 "over only after its forward; said once).")
         return True
 
+    def _call_block(self, block: nn.Module, *args, **kwargs):
+        advice = self.advice()
+        if advice is not None and not advice.compile_now():
+            return advice.measured(block._call_impl, *args, **kwargs)
+        region = self._compile(advice.budget if advice is not None else 1.0)
+        return region(block, *args, **kwargs)
 
-def install(live: Callable[[], bool], say: Callable[[str, str], None]) -> None:
+    def _compile(self, budget: float) -> Callable:
+        """Compile the blocks (Rules 3-5), under ``budget`` (Rule 7)."""
+        import torch._functorch.config as functorch_config  # loaded with torch.compile
+
+        region = _torch_compile(_run_block, **_block_arguments(self.kwargs, self.say))
+        if budget < functorch_config.activation_memory_budget:
+            region = functorch_config.patch(activation_memory_budget=budget)(region)
+        self.budget = min(budget, functorch_config.activation_memory_budget)
+        for block in self.blocks:
+            # What block.compile() does, through a frame of lmsrt's own (Rule 5).
+            block._compiled_call_impl = functools.partial(region, block)
+        return region
+
+
+def install(advice: Callable[[], Optional[CompileAdvice]],
+            say: Callable[[str, str], None]) -> None:
     """Wrap ``torch.compile`` and ``nn.Module.compile`` (once per process, when lmsrt is
-    imported) so that a model compiled whole is compiled block by block while ``live()`` says
-    an LMS is live (torch_patches.py, NOTE [ What lmsrt changes in torch ], 6). ``say(key,
-    message)`` warns once per key."""
+    imported) so that a model compiled whole is compiled block by block while ``advice()``
+    gives a live LMS's advice (None: none is live; torch_patches.py, NOTE [ What lmsrt changes
+    in torch ], 6). ``say(key, message)`` warns once per key."""
     global _torch_compile, _module_compile
     if _torch_compile is not None:
         return
@@ -176,7 +307,7 @@ def install(live: Callable[[], bool], say: Callable[[str, str], None]) -> None:
         compiled = _torch_compile(model, **kwargs)
         if isinstance(model, nn.Module) and compiled is not model and callable(
                 getattr(compiled, "forward", None)):
-            compiled.forward = _Regional(model, compiled.forward, model.__call__, kwargs, live,
+            compiled.forward = _Regional(model, compiled.forward, model.__call__, kwargs, advice,
                                          say)
         return compiled
 
@@ -184,7 +315,7 @@ def install(live: Callable[[], bool], say: Callable[[str, str], None]) -> None:
     def module_compile(self, **kwargs):
         _module_compile(self, **kwargs)
         self._compiled_call_impl = _Regional(self, self._compiled_call_impl, self._call_impl,
-                                             kwargs, live, say)
+                                             kwargs, advice, say)
 
     torch.compile = compile
     nn.Module.compile = module_compile

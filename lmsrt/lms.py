@@ -25,14 +25,17 @@ _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
 torch_patches.annotate_backward_ooms(_live_engines)
 
 
-def _any_live() -> bool:
-    """True while an LMS that swaps is open in this process."""
-    return any(not engine.closed for engine in list(_live_engines))
+_advice: "weakref.WeakSet[compiled.CompileAdvice]" = weakref.WeakSet()
+
+
+def _live_advice() -> Optional[compiled.CompileAdvice]:
+    """The advice of an LMS that swaps and is open in this process, if any."""
+    return next((a for a in list(_advice) if not a.engine.closed), None)
 
 
 # Also at import: a model compiled whole is compiled block by block while an LMS is live
 # (compiled.py; torch_patches, NOTE, 6).
-compiled.install(_any_live, functools.partial(say_once, stacklevel=3))
+compiled.install(_live_advice, functools.partial(say_once, stacklevel=3))
 
 
 @atexit.register
@@ -114,6 +117,7 @@ class LMS:
         self._engine: Optional[SwapEngine] = None
         self._hooks = None
         self._regions: Optional[Regions] = None
+        self._compile_advice: Optional[compiled.CompileAdvice] = None
         # Per thread that entered it: (hooks pushed?, its recorder or None). A dict, not a
         # threading.local: a block left inside backward may be left from autograd's thread.
         self._active: Dict[int, tuple] = {}
@@ -132,6 +136,10 @@ class LMS:
                          "build it.", stacklevel=2)
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
+            # When and how blocks of a model compiled whole are compiled (compiled.py).
+            self._compile_advice = compiled.CompileAdvice(
+                self._engine, functools.partial(say_once, stacklevel=4))
+            _advice.add(self._compile_advice)
             # C++ hooks where the copy path is built (the engine holds them weakly).
             self._hooks = self._engine.native_hooks()
             if config.recompute:
@@ -236,6 +244,7 @@ class LMS:
             "history": [s.as_dict() for s in self._engine.run_stats.history]
             if self._engine else [],
             "regions": self._regions.stats() if self._regions else None,
+            "compiled": self._compile_advice.stats() if self._compile_advice else None,
         }
 
     def summary(self) -> str:

@@ -1,18 +1,25 @@
 """The region plan as data (regions.py, NOTE [ Region plan ]): what a step's figures say about
-which regions to recompute.
+which regions to recompute, and how much compiled blocks may keep (compiled.py, NOTE [ Regions
+under LMS ], Rule 7).
 
 Example::
 
     step = StepFigures(excess=12 << 30, saved=15 << 30, rebuilt=0, t_fwd=0.05, t_bwd=0.1,
                        bandwidth=55e9)
     choose_regions([(1 << 30, 0.003)] * 16, step)
+    memory_budget(step, blocks=14 << 30)       # 0.3: the share of their saves blocks may keep
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import List, Sequence, Tuple
 
-__all__ = ["StepFigures", "choose_regions"]
+__all__ = ["StepFigures", "choose_regions", "memory_budget", "over_bound", "LEAST_BUDGET"]
+
+LEAST_BUDGET = 0.1      # memory_budget's floor: below it the partitioner keeps little more than
+                        # the blocks' inputs, and what must still leave is moved
+_BUDGET_STEP = 0.05     # budgets are rounded down to this: one said, compiled and cached value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,3 +75,38 @@ def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> L
         if cost == spent:
             break                      # nothing left to move that does not hide
     return sorted(taken[:best])
+
+
+def over_bound(step, bound: int) -> Tuple[int, int]:
+    """(saved, excess) of a step (``StepStats``) that swapped everything it could (a learning
+    step): what it saved (swapped, kept, alive anyway, rebuilt), and by how much it would have
+    passed ``bound`` had it kept all of it (its peak plus what it saved: NOTE [ Region plan ],
+    1)."""
+    saved = step.out_bytes + step.kept_bytes + step.live_bytes + step.recipe_bytes
+    return saved, max(0, step.gpu_peak_bytes + saved - bound)
+
+
+def memory_budget(step: StepFigures, blocks: int) -> float:
+    """The partitioner's recompute budget for compiled blocks that save ``blocks`` bytes a step
+    at torch's default (``torch._functorch.config.activation_memory_budget``: the share of those
+    bytes they may keep; 1.0 recomputes nothing more than torch would). NOTE [ Regions under LMS ],
+    Rule 7: where ``step.swap_seconds(0)`` says the swaps hide, 1.0; else the blocks free the
+    fewest bytes after which they do, rounded down to a twentieth and at least ``LEAST_BUDGET``.
+
+    Example::
+
+        step = StepFigures(excess=6 << 30, saved=16 << 30, rebuilt=0, t_fwd=0.0, t_bwd=0.0,
+                           bandwidth=55e9)
+        memory_budget(step, blocks=12 << 30)      # 0.5: half of what the blocks save must go
+    """
+    if blocks <= 0 or step.swap_seconds(0) == 0:
+        return 1.0
+    share = step.rebuilt / step.saved if step.saved else 0.0
+    if share >= 1.0:
+        return 1.0                  # all of it rebuilt: what the blocks keep changes nothing
+    hidden = step.bandwidth * min(step.t_fwd, step.t_bwd)
+    # swap_seconds(freed) is 0 where what is moved, excess - freed - share * (saved - freed),
+    # takes no longer than the shorter pass.
+    freed = (step.excess - share * step.saved - hidden) / (1.0 - share)
+    budget = math.floor((1.0 - freed / blocks) / _BUDGET_STEP + 1e-9) * _BUDGET_STEP
+    return round(min(1.0, max(LEAST_BUDGET, budget)), 2)

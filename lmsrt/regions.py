@@ -10,11 +10,13 @@ running them again: NOTE [ Region plan ].
 
 NOTE [ Recomputed regions ]
   Rule 1 (what a region is). A child of an ``nn.ModuleList`` or ``nn.Sequential`` whose class
-    appears there more than once. In a plain ``nn.Sequential`` of mixed classes (a conv net's
-    layers), children are grouped into stages, run as one chain: a stage starts at each child
-    of the class that leads the container (its first child with parameters), or earlier, at the
-    parameter-free child before it whose input is smallest (pooling ends a stage, upsampling
-    starts the next); the sizes come from the first step, which recomputes nothing.
+    appears there more than once, unless it is compiled (``block.compile()``, or compiled.py's
+    blocks of a model compiled whole: the partitioner's budget chooses what they recompute).
+    In a plain ``nn.Sequential`` of mixed classes (a conv net's layers), children are grouped
+    into stages, run as one chain: a stage starts at each child of the class that leads the
+    container (its first child with parameters), or earlier, at the parameter-free child
+    before it whose input is smallest (pooling ends a stage, upsampling starts the next); the
+    sizes come from the first step, which recomputes nothing.
   Rule 2 (only where lmsrt saves). A region is entered only while grad is on, outside backward,
     and with this LMS's saved-tensor hooks innermost: inside a user's own checkpoint (its hooks
     are innermost; a reentrant one runs forward without grad), ``save_on_cpu``, a torch.func
@@ -67,10 +69,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .engine.records import counter_only, modified_error
 from .options import spelled
-from .region_plan import StepFigures, choose_regions
+from .region_plan import StepFigures, choose_regions, over_bound
 from .units import format_bytes
 
-__all__ = ["Regions", "StepFigures", "choose_regions"]
+__all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
 
 SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
                                # sets ``Regions.bandwidth`` to make them cost)
@@ -297,7 +299,9 @@ class Regions:
         for name, container in containers:
             children = list(container)
             counts = collections.Counter(type(c) for c in children)
-            repeated = [i for i, c in enumerate(children) if counts[type(c)] > 1]
+            # Compiled blocks are torch.compile's partitioner's to recompute (Rule 1).
+            repeated = [i for i, c in enumerate(children) if counts[type(c)] > 1
+                        and getattr(c, "_compiled_call_impl", None) is None]
             if not repeated or any(c in self._of for c in children):
                 continue
             label = name or type(container).__name__
@@ -469,11 +473,8 @@ class Regions:
     def _survey_done(self) -> None:
         self._group()
         step1 = self.engine.current_step()
-        # What the step would hold with every saved tensor kept: its peak, which swapped them
-        # all, plus what it saved; the excess over the bound must leave (NOTE [ Region plan ]).
-        self._saved = (step1.out_bytes + step1.kept_bytes + step1.live_bytes
-                       + step1.recipe_bytes)
-        self._excess = max(0, step1.gpu_peak_bytes + self._saved - self.engine.mark)
+        # The excess over the bound must leave (NOTE [ Region plan ], 1).
+        self._saved, self._excess = over_bound(step1, self.engine.mark)
         self._rebuilt = step1.recipe_bytes
         found = len(set(self._of.values()))
         if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
@@ -505,7 +506,7 @@ class Regions:
         # Forward's time: its regions' (between them, the engine's learning step waits for
         # copies of their inputs).
         t_fwd = sum(r.seconds for r in order)
-        bandwidth = self.bandwidth or _bandwidth(self.engine.device)
+        bandwidth = self.bandwidth or link_bandwidth(self.engine.device)
         excess = self._excess
         usable = [r for r in order if r.usable]
         self.figures = StepFigures(excess, self._saved, self._rebuilt, t_fwd, 2 * t_fwd,
@@ -577,7 +578,7 @@ class Regions:
                     kept_calls=self._kept_calls)
 
 
-def _bandwidth(device) -> float:
+def link_bandwidth(device) -> float:
     """Pinned device-to-host copy bandwidth, bytes/s: one probe copy, as the plan is made."""
     host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device.torch_device)

@@ -2,6 +2,8 @@
 lmsrt's hooks aside (lmsrt/compiled.py). Compiling on the CPU is slow: tiny models, few tests."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -14,6 +16,7 @@ import weakref
 import pytest
 import torch
 from models import (
+    DEVICES,
     assert_same,
     lmsrt_warnings,
     make_lms,
@@ -59,7 +62,7 @@ def _fresh_live_engines(monkeypatch):
     # LMS objects that other tests left for the collector must not make this model regional early;
     # and the regions made here must not silence other tests' warning about compiled regions.
     gc.collect()
-    monkeypatch.setattr(lmsrt.lms, "_live_engines", weakref.WeakSet())
+    monkeypatch.setattr(lmsrt.lms, "_advice", weakref.WeakSet())
     monkeypatch.setattr(lmsrt.compiled, "_regional_models", 0)
     monkeypatch.setattr(lmsrt.say, "_said", set())          # each test sees its said-once lines
 
@@ -84,16 +87,19 @@ def _check_regional(kind, backend, monkeypatch):
     assert not compiled.forward.regional
     lms = make_lms(kind)
     with lmsrt_warnings() as said:
-        # The same compiled blocks without lmsrt: an LMS is live, but not entered. (Two
-        # compilations of one graph by inductor on CUDA may differ in the last bits.)
-        ref = train_step(compiled, x, lms=same_hooks)
+        got = [train_step(compiled, x, lms=lms) for _ in range(3)]
         assert compiled.forward.regional
-        for _ in range(3):
-            assert_same(ref, train_step(compiled, x, lms=lms))
+        # The same compiled blocks without lmsrt: an LMS is live, but not entered. (Two
+        # compilations of one graph by inductor on CUDA may differ in the last bits.) Step 1
+        # ran the blocks eagerly (NOTE [ Regions under LMS ], Rule 6).
+        ref = train_step(compiled, x, lms=same_hooks)
+        for step in got[1:]:
+            assert_same(ref, step)
     assert [m for m in said if "blocks one by one" in m] == [
-        "lmsrt: torch.compile(Sequential) under LMS compiles its 4 Block blocks one by one and "
-        "runs the rest eagerly, so that saved tensors can be swapped between blocks (a compiled "
-        "region hands them over only after its forward; said once)."], said
+        "lmsrt: torch.compile(Sequential) under LMS compiles its 4 Block blocks one by one, once "
+        "lmsrt has learnt a step (they run eagerly until then), and runs the rest eagerly, so "
+        "that saved tensors can be swapped between blocks (a compiled region hands them over "
+        "only after its forward; said once)."], said
     assert not [m for m in said if "between compiled regions" in m], said
     step = lms.stats()["last_step"]
     assert step["out_bytes"] > 0
@@ -102,7 +108,7 @@ def _check_regional(kind, backend, monkeypatch):
         # not the model's (a region per model held them all at its end). (A real GPU's peak
         # also counts the parameters, which at this size outweigh the saves.)
         assert step["gpu_peak_bytes"] < step["out_bytes"] / 2, step
-    return whole, ref
+    return whole, ref, got[0]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
@@ -116,10 +122,11 @@ def test_model_compiled_whole_swaps_between_blocks(kind, backend, monkeypatch):
     # Inductor's deterministic mode: reduction configs by rule, not by timing (test_reliability's
     # test of compile says why).
     with torch._inductor.config.patch(deterministic=True):
-        whole, ref = _check_regional(kind, backend, monkeypatch)
+        whole, ref, eager = _check_regional(kind, backend, monkeypatch)
     if backend == "aot_eager":
-        # Run-to-run exact, also against the whole-model graph.
+        # Run-to-run exact, also against the whole-model graph and the eager step.
         assert_same(ref, whole)
+        assert_same(ref, eager)
 
 
 @pytest.mark.cuda
@@ -157,6 +164,8 @@ def test_no_lms_compiles_whole(monkeypatch):
     lms = make_lms("sim")
     train_step(model, x, lms=lms)
     assert model._compiled_call_impl.regional
+    assert counter.frame_count == whole              # step 1 runs the blocks eagerly
+    train_step(model, x, lms=lms)
     assert counter.frame_count == whole + 1          # one graph shared by the three blocks
     torch._dynamo.reset()
 
@@ -263,3 +272,160 @@ def test_lmsrt_run_compiles_a_whole_model_block_by_block(tmp_path):
     assert run.stderr.count("blocks one by one") == 1, run.stderr
     assert "between compiled regions" not in run.stderr, run.stderr
     assert json.loads(stats.read_text())["total"]["out_tensors"] > 0
+
+
+def test_memory_budget_from_a_steps_figures():
+    # NOTE [ Regions under LMS ], Rule 7: the share of the blocks' saves they may keep.
+    from lmsrt.policy import make_policy
+    from lmsrt.region_plan import LEAST_BUDGET, StepFigures, memory_budget
+    gib = 1 << 30
+    step = StepFigures(excess=6 * gib, saved=16 * gib, rebuilt=0, t_fwd=0.0, t_bwd=0.0,
+                       bandwidth=55e9)
+    assert memory_budget(step, 12 * gib) == 0.5              # half of what the blocks save goes
+    assert memory_budget(step, 7 * gib) == 0.1               # 1/7 kept: rounded down, 0.14 -> 0.1
+    assert memory_budget(step, 5 * gib) == LEAST_BUDGET      # more than the blocks save
+    assert memory_budget(step, 0) == 1.0                     # no blocks saved anything
+    # Copies that hide under the shorter pass need no recompute: 55 GB/s x 0.05 s = 2.56 GiB.
+    hidden = dict(t_fwd=0.05, t_bwd=0.1)
+    assert memory_budget(StepFigures(2 * gib, 16 * gib, 0, bandwidth=55e9, **hidden),
+                         12 * gib) == 1.0
+    assert memory_budget(StepFigures(8 * gib, 16 * gib, 0, bandwidth=55e9, **hidden),
+                         12 * gib) == 0.5                    # 5.44 of 12 GiB freed: 0.547 kept
+    # Rebuilt storages (the same share of what remains) cross no link.
+    assert memory_budget(StepFigures(10 * gib, 16 * gib, 8 * gib, 0.0, 0.0, 55e9),
+                         12 * gib) == 0.65                   # 0 = 10 - F - (16 - F) / 2: F = 4
+    assert memory_budget(StepFigures(8 * gib, 16 * gib, 8 * gib, 0.0, 0.0, 55e9),
+                         12 * gib) == 1.0                    # the rebuilt half is the excess
+    # A free link (the simulated device), or nothing over the bound: torch's default.
+    assert memory_budget(dataclasses.replace(step, bandwidth=float("inf")), 12 * gib) == 1.0
+    assert memory_budget(dataclasses.replace(step, excess=0), 12 * gib) == 1.0
+    # Every policy answers it alike, from the same function.
+    for frac in (0.5, "auto"):
+        assert make_policy(frac, 16 * gib, gib).compiled_budget(step, 12 * gib) == 0.5
+
+
+def _counting_aot_eager(budgets: list, calls: list):
+    """aot_eager (the min-cut partitioner, no code generation) that notes the budget each graph
+    is partitioned under and counts the compiled forwards run."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        budgets.append(functorch_config.activation_memory_budget)
+        forward = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            calls.append(1)
+            return forward(*args)
+        return run
+    return backend
+
+
+def _saved_bytes(model, x) -> tuple:
+    """(loss and gradients, bytes saved for backward) of a step without lmsrt, its saves counted
+    through identity saved-tensor hooks (as the references above: a region whose saves go
+    through hooks may be compiled otherwise)."""
+    nbytes = [0]
+
+    def pack(t):
+        nbytes[0] += t.untyped_storage().nbytes()
+        return t
+    result = train_step(model, x, lms=torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    return result, nbytes[0]
+
+
+def _compiled_run(kind, costly_link: bool, steps: int = 3, **lms_kw):
+    """A transformer compiled whole, trained ``steps`` steps under LMS; with ``costly_link`` the
+    link's copies cost step time (on the simulated device they cost none)."""
+    import torch._dynamo
+    torch._dynamo.reset()           # the budget is not guarded: a graph of another run would do
+    torch.manual_seed(0)
+    dev = torch_device(kind)
+    model = transformer(d=32, layers=4, heads=2).to(dev)
+    x = torch.randn(2, 16, 32, device=dev)
+    budgets, calls = [], []
+    compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
+    lms = make_lms(kind, **lms_kw)
+    advice = lms._compile_advice
+    if kind == "sim" and costly_link:
+        advice.bandwidth = 1e9
+    got = []
+    for step in range(steps):
+        got.append(train_step(compiled, x, lms=lms))
+        if step == 0:
+            # Step 1 ran the blocks eagerly, their saves counted: dynamo compiled nothing
+            # (NOTE [ Regions under LMS ], Rule 6).
+            assert compiled.forward.regional and not advice.ready
+            assert budgets == [] and calls == [] and advice.blocks > 0
+    # From step 2 the four blocks ran compiled, each step.
+    assert advice.ready and len(calls) == 4 * (steps - 1), calls
+    return compiled, x, lms, budgets, got
+
+
+def _check_budget(kind, monkeypatch):
+    from lmsrt.region_plan import memory_budget
+    _fresh_live_engines(monkeypatch)
+    # The cap forces recompute on the simulated device (an auto policy at a small capacity);
+    # on a GPU, swapping everything (lms_frac 0) does.
+    short = dict(capacity=150_000, lms_frac="auto") if kind == "sim" else dict(lms_frac=0.0)
+    with lmsrt_warnings() as said:
+        compiled, x, lms, budgets, got = _compiled_run(kind, True, **short)
+    advice = lms._compile_advice
+    budget = advice.budget
+    assert budget < 1.0 and budget == memory_budget(advice.figures, advice.blocks)
+    assert budgets and set(budgets) == {budget}, budgets      # patched as they were compiled
+    assert compiled.forward.budget == budget
+    assert lms.stats()["compiled"]["budget"] == budget
+    lines = [m for m in said if "activation_memory_budget" in m]
+    assert len(lines) == 1 and f"activation_memory_budget={budget:g}," in lines[0], said
+    # The same compiled graphs without lmsrt: the same bytes, and fewer saved.
+    ref, saved = _saved_bytes(compiled, x)
+    for step in got[1:]:
+        assert_same(ref, step)
+    assert lms.stats()["last_step"]["out_bytes"] > 0
+    # At torch's default (nothing over the bound that copies cost time for): nothing patched.
+    _fresh_live_engines(monkeypatch)
+    with lmsrt_warnings() as said:
+        compiled, x, lms, budgets, got = _compiled_run(kind, False, steps=2, **(
+            dict(capacity=150_000, lms_frac="auto") if kind == "sim" else dict(lms_frac=1.0)))
+    assert lms._compile_advice.budget == 1.0 and set(budgets) == {1.0}, budgets
+    assert not [m for m in said if "activation_memory_budget" in m], said
+    default, saved_default = _saved_bytes(compiled, x)
+    assert saved < saved_default * 0.8, (saved, saved_default)
+    # Recomputed in backward rather than saved: the same ops, the same values (aot_eager runs
+    # aten's own kernels, which repeat bit for bit).
+    assert_same(default, ref)
+    return budget
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
+@pytest.mark.parametrize("kind", DEVICES)
+def test_blocks_compile_after_the_learnt_step_under_its_budget(kind, monkeypatch):
+    budget = _check_budget(kind, monkeypatch)
+    if kind == "sim":
+        assert budget == 0.45       # 143 of the blocks' 272 KiB over the bound, at the capacity
+
+
+@pytest.mark.parametrize("around_the_loop", [False, True],
+                         ids=["with-each-step", "with-around-loop"])
+def test_the_step_that_compiles_the_blocks_is_learnt(around_the_loop, monkeypatch):
+    # A step begins as `with lms:` is entered, or, with one `with` around the loop (as under
+    # lmsrt run), at its first save: here inside the first block. Either way the whole of step 2
+    # runs the blocks compiled, and is learnt afresh (NOTE [ Regions under LMS ], Rule 6).
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformer(d=32, layers=4, heads=2)
+    x = torch.randn(2, 16, 32)
+    budgets, calls = [], []
+    compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
+    lms = make_lms("sim", lms_frac="auto")
+    ref = train_step(model, x)
+    with lms if around_the_loop else contextlib.nullcontext():
+        for step in range(4):
+            assert_same(ref, train_step(compiled, x, lms=None if around_the_loop else lms))
+            assert len(calls) == 4 * step, (step, calls)
+    notes = [s["policy_note"] for s in lms.stats()["history"]]
+    assert notes[0].startswith("learnt") and notes[1].startswith("learnt"), notes
+    assert not notes[2].startswith("learnt"), notes

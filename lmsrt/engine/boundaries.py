@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from ..plan import OffloadPlan
 from ..stats import StepStats
 
@@ -46,6 +48,18 @@ class StepBoundaries:
         """Plan afresh from the next step on, learning it as step 1 was: what the model saves
         has changed (regions.py recomputes other regions). Called from a step listener."""
         self._relearn = True
+
+    def after_backward(self) -> bool:
+        """Whether this thread's next save begins a new step: a backward used its saved
+        tensors since its forward began, and none runs now (forward.py's ``pack``)."""
+        return (threading.get_ident() in self._after_backward
+                and torch._C._current_graph_task_id() == -1)
+
+    def saved_so_far(self) -> tuple:
+        """(the step in flight, the bytes of the storages it has saved so far): what
+        compiled.py counts around a block's eager call."""
+        step = self.current_step()
+        return step.step, sum(self.plan.current)
 
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step

@@ -17,6 +17,7 @@ from typing import List, Optional, Protocol
 
 from ..config import LMSConfig
 from ..plan import OffloadPlan
+from ..region_plan import StepFigures, memory_budget
 from .profile import Profile
 
 __all__ = ["Policy", "LimitShares"]
@@ -57,6 +58,9 @@ class Policy(Protocol):
     def lone_fetch_under(self, level: int) -> int: ...
     def shed_to(self, plan: OffloadPlan, level: int) -> int: ...
 
+    # -- what compiled blocks may keep --------------------------------------------------------
+    def compiled_budget(self, step: StepFigures, blocks: int) -> float: ...
+
     # -- what it tells ------------------------------------------------------------------------
     def step_figures(self) -> dict: ...
     def note(self) -> str: ...
@@ -91,6 +95,12 @@ class LimitShares:
         """Whether deferred swaps still without a pin when forward ends stay on the GPU for
         backward: while use is under 1/16 of the limit (auto: half)."""
         return use <= self.limit >> 4
+
+    def compiled_budget(self, step: StepFigures, blocks: int) -> float:
+        """The recompute budget of blocks compiled under this LMS that save ``blocks`` bytes a
+        step, from a learnt step's figures (compiled.py, NOTE [ Regions under LMS ], Rule 7;
+        ``region_plan.memory_budget``); 1.0 leaves torch's default."""
+        return memory_budget(step, blocks)
 
     def check_fits(self, use: int) -> bool:
         """Whether a recipe's check in forward fits: ``use`` (allocated plus what the rebuild
