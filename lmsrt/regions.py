@@ -10,13 +10,12 @@ running them again: NOTE [ Region plan ].
 
 NOTE [ Recomputed regions ]
   Rule 1 (what a region is). A child of an ``nn.ModuleList`` or ``nn.Sequential`` whose class
-    appears there more than once, unless it is compiled (``block.compile()``, or compiled.py's
-    blocks of a model compiled whole: the partitioner's budget chooses what they recompute).
-    In a plain ``nn.Sequential`` of mixed classes (a conv net's layers), children are grouped
-    into stages, run as one chain: a stage starts at each child of the class that leads the
-    container (its first child with parameters), or earlier, at the parameter-free child
-    before it whose input is smallest (pooling ends a stage, upsampling starts the next); the
-    sizes come from the first step, which recomputes nothing.
+    appears there more than once, unless compiled (compiled.py: the partitioner's budget
+    chooses what it recomputes). In a plain ``nn.Sequential`` of mixed classes (a conv net's
+    layers), children are grouped into stages, run as one chain: a stage starts at each child
+    of the class that leads the container (its first child with parameters), or earlier, at the
+    parameter-free child before it whose input is smallest (pooling ends a stage, upsampling
+    starts the next); the sizes come from the first step, which recomputes nothing.
   Rule 2 (only where lmsrt saves). A region is entered only while grad is on, outside backward,
     and with this LMS's saved-tensor hooks innermost: inside a user's own checkpoint (its hooks
     are innermost; a reentrant one runs forward without grad), ``save_on_cpu``, a torch.func
