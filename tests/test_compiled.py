@@ -349,6 +349,8 @@ def _compiled_run(kind, costly_link: bool, steps: int = 3, **lms_kw):
     advice = lms._compile_advice
     if kind == "sim" and costly_link:
         advice.bandwidth = 1e9
+    elif not costly_link:
+        advice.bandwidth = float("inf")     # copies that cost no step time
     got = []
     for step in range(steps):
         got.append(train_step(compiled, x, lms=lms))
@@ -387,7 +389,7 @@ def _check_budget(kind, monkeypatch):
     _fresh_live_engines(monkeypatch)
     with lmsrt_warnings() as said:
         compiled, x, lms, budgets, got = _compiled_run(kind, False, steps=2, **(
-            dict(capacity=150_000, lms_frac="auto") if kind == "sim" else dict(lms_frac=1.0)))
+            dict(capacity=150_000, lms_frac="auto") if kind == "sim" else dict(lms_frac=0.0)))
     assert lms._compile_advice.budget == 1.0 and set(budgets) == {1.0}, budgets
     assert not [m for m in said if "activation_memory_budget" in m], said
     default, saved_default = _saved_bytes(compiled, x)
@@ -420,7 +422,7 @@ def test_the_step_that_compiles_the_blocks_is_learnt(around_the_loop, monkeypatc
     x = torch.randn(2, 16, 32)
     budgets, calls = [], []
     compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
-    lms = make_lms("sim", lms_frac="auto")
+    lms = make_lms("sim", lms_frac="auto", capacity=150_000)     # over the bound: regional
     ref = train_step(model, x)
     with lms if around_the_loop else contextlib.nullcontext():
         for step in range(4):
@@ -429,3 +431,34 @@ def test_the_step_that_compiles_the_blocks_is_learnt(around_the_loop, monkeypatc
     notes = [s["policy_note"] for s in lms.stats()["history"]]
     assert notes[0].startswith("learnt") and notes[1].startswith("learnt"), notes
     assert not notes[2].startswith("learnt"), notes
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_a_model_that_fits_goes_back_to_its_whole_graph(kind, monkeypatch):
+    """Step 1 learns with the blocks eager; with nothing over the bound, everything kept, the
+    model runs its whole-model graph from then on (NOTE [ Regions under LMS ], Rule 8)."""
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dev = torch_device(kind)
+    model = transformer(d=32, layers=4, heads=2).to(dev)
+    x = torch.randn(2, 16, 32, device=dev)
+    budgets, calls = [], []
+    compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
+    same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    whole = train_step(compiled, x, lms=same_hooks)
+    graphs = len(calls)
+    lms = make_lms(kind, lms_frac="auto", capacity=1 << 30)
+    with lmsrt_warnings() as said:
+        got = [train_step(compiled, x, lms=lms) for _ in range(3)]
+    advice = lms._compile_advice
+    assert advice.whole and lms.stats()["compiled"]["whole"]
+    assert not compiled.forward.regional
+    assert all(b._compiled_call_impl is None for b in model)
+    # Steps 2 and 3 ran the whole-model graph (as many compiled calls as the plain step), and
+    # nothing was compiled again.
+    assert len(calls) == 3 * graphs and set(budgets) == {1.0}, (calls, budgets)
+    for step in got:
+        assert_same(whole, step)
+    assert [m for m in said if "runs as compiled" in m], said
