@@ -202,7 +202,7 @@ def child(workload: str, method: str, cap_gib: float, frac, steps: int, warmup: 
         last = lms.stats()["last_step"]
         res.update(moved_gib=last["out_bytes"] / GiB, rebuilt_gib=last.get("recipe_bytes", 0) / GiB,
                    stats=last, summary=lms.summary(), regions=lms.stats().get("regions"),
-                   compiled=lms.stats().get("compiled"), history=lms.stats()["history"])
+                   compile_advice=lms.stats().get("compiled"), history=lms.stats()["history"])
     if method == "reference":
         res["t_fwd"], res["t_bwd"], res["t_opt"] = _phases(work, steps)
         res["bandwidth"] = _bandwidth()
