@@ -50,7 +50,7 @@ NOTE [ Region plan ]
      (``StepFigures``).
   4. The prediction is checked against steps that ran. Two choices are made: with rebuilt
      bytes crossing no link, and with every byte moved (more regions). Unless both are every
-     region, steps 3 and 4 recompute every region, planned, and are timed (their mean counts);
+     region, steps 3 and 4 recompute every region, planned, and are timed (the faster counts);
      then each other choice in turn: the engine learns it, two planned steps are timed. The
      fastest way holds for the run (the engine learns it once more unless it was the last).
 """
@@ -377,11 +377,9 @@ class Regions:
         self.idle = not chosen
 
     def _time_steps(self) -> None:
-        """The steps of the way being tried are over: note the mean of its last two (the faster
-        alone favoured ways whose steps vary, as swaps near the cap do: on an H100, gpt at 5 GiB
-        held 13 of 16 regions for a timed step, then ran 0.227 s where every region ran 0.209);
-        try the next way, or settle on the fastest."""
-        seconds = (self._step_seconds(self.step - 2) + self._step_seconds(self.step - 1)) / 2
+        """The steps of the way being tried are over: note the faster of its last two; try the
+        next way, or settle on the fastest."""
+        seconds = min(self._step_seconds(self.step - 2), self._step_seconds(self.step - 1))
         self._tried.append((seconds, self._trying))
         if self._candidates:
             self._trying = self._candidates.pop(0)
