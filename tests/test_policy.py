@@ -817,3 +817,43 @@ def test_a_model_under_half_the_limit_neither_pins_nor_moves_on_a_gpu():
         assert s["out_bytes"] == 0 and s["host_pinned_bytes"] == 0 and s["host_pin_s"] == 0, s
         assert s["kept_bytes"] > 0, s
     assert steps[0]["deferred_tensors"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("loop", ["cudnn-benchmark", "eval-first"])
+def test_auto_fits_real_loops_on_a_gpu(loop, monkeypatch):
+    """Auto on a conv net capped at 85% of its plain peak: with cuDNN's benchmark mode on (the
+    step that tried algorithms is not learnt from), or after a validation forward under no_grad
+    (not learnt from either; NOTE [ Auto ], 6). It fits, plans, and trains exactly, with no
+    allocation failing at the cap."""
+    from models import convnet
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", loop == "cudnn-benchmark")
+    torch.manual_seed(0)
+    model = convnet(c=32).cuda()
+    x = torch.randn(8, 3, 512, 512, device="cuda")
+    train_step(model, x)                 # grads exist, and cuDNN has tried its algorithms
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ref = train_step(model, x)
+    peak = torch.cuda.max_memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()             # blocks cached before the cap would not count against it
+    torch.cuda.set_per_process_memory_fraction(peak * 0.85 / total)
+    try:
+        lms = lmsrt.LMS(device="cuda", lms=1, lms_frac="auto", pin_ahead=False)
+        if loop == "eval-first":
+            with lms, torch.no_grad():
+                model.eval()
+                model(x)
+                model.train()
+        for _ in range(5):
+            assert_same(ref, train_step(model, x, lms))
+        steps = _steps(lms.stats())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    notes = [(s["mode"], s["out_bytes"], s["policy_note"]) for s in steps]
+    assert any(s["mode"] == "plan" for s in steps[1:]), notes
+    assert sum(s["alloc_failures"] for s in steps) == 0, notes
+    said = " ".join(s["policy_note"] for s in steps)
+    assert ("benchmark mode tried" in said if loop == "cudnn-benchmark"
+            else "the last forward had none" in said), notes
