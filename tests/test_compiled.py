@@ -334,9 +334,9 @@ def _saved_bytes(model, x) -> tuple:
     return result, nbytes[0]
 
 
-def _compiled_run(kind, costly_link: bool, steps: int = 3, **lms_kw):
-    """A transformer compiled whole, trained ``steps`` steps under LMS; with ``costly_link`` the
-    link's copies cost step time (on the simulated device they cost none)."""
+def _counted_transformer(kind):
+    """A small transformer, an input, and the transformer compiled whole by the counting backend
+    (with the budgets it was compiled under and the compiled calls)."""
     import torch._dynamo
     torch._dynamo.reset()           # the budget is not guarded: a graph of another run would do
     torch.manual_seed(0)
@@ -345,6 +345,13 @@ def _compiled_run(kind, costly_link: bool, steps: int = 3, **lms_kw):
     x = torch.randn(2, 16, 32, device=dev)
     budgets, calls = [], []
     compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
+    return model, x, compiled, budgets, calls
+
+
+def _compiled_run(kind, costly_link: bool, steps: int = 3, **lms_kw):
+    """A transformer compiled whole, trained ``steps`` steps under LMS; with ``costly_link`` the
+    link's copies cost step time (on the simulated device they cost none)."""
+    model, x, compiled, budgets, calls = _counted_transformer(kind)
     lms = make_lms(kind, **lms_kw)
     advice = lms._compile_advice
     if kind == "sim" and costly_link:
@@ -437,15 +444,8 @@ def test_the_step_that_compiles_the_blocks_is_learnt(around_the_loop, monkeypatc
 def test_a_model_that_fits_goes_back_to_its_whole_graph(kind, monkeypatch):
     """Step 1 learns with the blocks eager; with nothing over the bound, everything kept, the
     model runs its whole-model graph from then on (NOTE [ Regions under LMS ], Rule 8)."""
-    import torch._dynamo
     _fresh_live_engines(monkeypatch)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    dev = torch_device(kind)
-    model = transformer(d=32, layers=4, heads=2).to(dev)
-    x = torch.randn(2, 16, 32, device=dev)
-    budgets, calls = [], []
-    compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
+    model, x, compiled, budgets, calls = _counted_transformer(kind)
     same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     whole = train_step(compiled, x, lms=same_hooks)
     graphs = len(calls)
