@@ -260,7 +260,8 @@ class _Regional:
 
     def _split(self) -> bool:
         blocks = repeated_blocks(self.model)
-        if blocks and not getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False):
+        # (A torch without the option, as later ones will be, always inlines.)
+        if blocks and not getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", True):
             self.say("one-by-one", f"lmsrt: this torch ({torch.__version__}) would compile "
                      "every block of a model apart (torch._dynamo.config.inline_inbuilt_nn_modules "
                      "is off) and stop compiling after a few, so under LMS a model compiled whole "
