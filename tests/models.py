@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import shutil
 import warnings
 
 import pytest
@@ -14,6 +16,14 @@ from lmsrt.device import SimulatedDevice
 
 # Every check runs on the simulated device, and on CUDA under the `cuda` marker.
 DEVICES = [pytest.param("sim", id="sim"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+# torch.compile's backends per device: aot_eager everywhere, inductor where it can build.
+COMPILE_BACKENDS = [
+    pytest.param("sim", "aot_eager", id="sim-aot_eager"),
+    pytest.param("sim", "inductor", id="sim-inductor", marks=pytest.mark.skipif(
+        shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")),
+    pytest.param("cuda", "inductor", id="cuda-inductor", marks=pytest.mark.cuda)]
 
 
 def torch_device(kind: str) -> torch.device:
@@ -130,6 +140,24 @@ def train_step(model, inputs, lms=None, create_graph=False, retain=False):
         if retain:
             loss.backward()
     return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def same_hooks():
+    """Identity saved-tensor hooks: a compiled region whose saves go through hooks may be
+    compiled differently (other fused kernels, last-bit differences), so a reference for a
+    compiled model under lmsrt runs under these, and what is compared is what lmsrt does to the
+    saved bytes, not what the compiler did."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def compiled_reference(model, inputs, backend: str):
+    """``train_step`` of a compiled ``model`` under ``same_hooks``; skips the test where
+    ``backend`` cannot compile here (no C++ compiler, or no Triton for this GPU)."""
+    try:
+        return train_step(model, inputs, lms=same_hooks())
+    except Exception as e:  # noqa: BLE001 - whatever the compiler raises
+        pytest.skip(f"torch.compile(backend={backend!r}) is not available here: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 def assert_same(ref, got):

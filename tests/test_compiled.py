@@ -7,7 +7,6 @@ import dataclasses
 import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,10 +15,13 @@ import weakref
 import pytest
 import torch
 from models import (
+    COMPILE_BACKENDS,
     DEVICES,
     assert_same,
+    compiled_reference,
     lmsrt_warnings,
     make_lms,
+    same_hooks,
     torch_device,
     train_step,
     transformer,
@@ -76,14 +78,7 @@ def _check_regional(kind, backend, monkeypatch):
     model = transformer(d=32, layers=4, heads=2).to(dev)
     x = torch.randn(2, 16, 32, device=dev)
     compiled = torch.compile(model, backend=backend)       # before any LMS, as scripts do
-    # The references run under identity saved-tensor hooks: a region whose saves go through
-    # hooks may be compiled otherwise (test_reliability's test of compile says why).
-    same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    try:
-        whole = train_step(compiled, x, lms=same_hooks)
-    except Exception as e:  # noqa: BLE001 - no C++ compiler, or no Triton for this GPU
-        pytest.skip(f"torch.compile(backend={backend!r}) is not available here: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    whole = compiled_reference(compiled, x, backend)
     assert not compiled.forward.regional
     lms = make_lms(kind)
     with lmsrt_warnings() as said:
@@ -92,7 +87,7 @@ def _check_regional(kind, backend, monkeypatch):
         # The same compiled blocks without lmsrt: an LMS is live, but not entered. (Two
         # compilations of one graph by inductor on CUDA may differ in the last bits.) Step 1
         # ran the blocks eagerly (NOTE [ Regions under LMS ], Rule 6).
-        ref = train_step(compiled, x, lms=same_hooks)
+        ref = train_step(compiled, x, lms=same_hooks())
         for step in got[1:]:
             assert_same(ref, step)
     assert [m for m in said if "blocks one by one" in m] == [
@@ -112,11 +107,7 @@ def _check_regional(kind, backend, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
-@pytest.mark.parametrize("kind, backend", [
-    pytest.param("sim", "aot_eager", id="sim-aot_eager"),
-    pytest.param("sim", "inductor", id="sim-inductor", marks=pytest.mark.skipif(
-        shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")),
-    pytest.param("cuda", "inductor", id="cuda-inductor", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kind, backend", COMPILE_BACKENDS)
 def test_model_compiled_whole_swaps_between_blocks(kind, backend, monkeypatch):
     import torch._inductor.config
     # Inductor's deterministic mode: reduction configs by rule, not by timing (test_reliability's
@@ -447,8 +438,7 @@ def test_a_model_that_fits_goes_back_to_its_whole_graph(kind, monkeypatch):
     model runs its whole-model graph from then on (NOTE [ Regions under LMS ], Rule 8)."""
     _fresh_live_engines(monkeypatch)
     model, x, compiled, budgets, calls = _counted_transformer(kind)
-    same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    whole = train_step(compiled, x, lms=same_hooks)
+    whole = train_step(compiled, x, lms=same_hooks())
     graphs = len(calls)
     lms = make_lms(kind, lms_frac="auto", capacity=1 << 30)
     with lmsrt_warnings() as said:

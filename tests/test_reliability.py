@@ -10,7 +10,6 @@ import contextlib
 import fractions
 import itertools
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,8 +21,10 @@ import numpy as np
 import pytest
 import torch
 from models import (
+    COMPILE_BACKENDS,
     DEVICES,
     assert_same,
+    compiled_reference,
     lmsrt_warnings,
     make_lms,
     mlp,
@@ -763,15 +764,7 @@ def _check_compile_exact(kind, backend):
     for block in model:                 # one compiled region per block: swapping between them
         block.compile(backend=backend)
     x = torch.randn(2, 16, 32, device=dev)
-    # The reference runs under identity saved-tensor hooks: a compiled region whose saves go
-    # through hooks may be compiled differently (other fused kernels, last-bit differences),
-    # and what is compared here is what lmsrt does to the saved bytes, not what the compiler did.
-    same_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    try:
-        ref = train_step(model, x, lms=same_hooks)
-    except Exception as e:  # noqa: BLE001 - no C++ compiler, or no Triton for this GPU
-        pytest.skip(f"torch.compile(backend={backend!r}) is not available here: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    ref = compiled_reference(model, x, backend)          # (models.same_hooks says why)
     lms = make_lms(kind)
     with lmsrt_warnings() as said:
         for _ in range(3):
@@ -783,11 +776,7 @@ def _check_compile_exact(kind, backend):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from inductor
-@pytest.mark.parametrize("kind, backend", [
-    pytest.param("sim", "aot_eager", id="sim-aot_eager"),
-    pytest.param("sim", "inductor", id="sim-inductor", marks=pytest.mark.skipif(
-        shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")),
-    pytest.param("cuda", "inductor", id="cuda-inductor", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kind, backend", COMPILE_BACKENDS)
 def test_torch_compile_is_detected_and_stays_exact(kind, backend):
     _check_compile(kind, backend)
 
