@@ -123,6 +123,7 @@ class StepBoundaries:
                 # copies; the step after notes recipes again.
                 self.rebuilds.noting = not (self.plan.planned and self.plan.target == 0
                                             and not self._swapped_last)
+                self.rebuilds.follow_noting()
             self.host.new_step()
 
     def _begin_plan(self, first: int) -> None:

@@ -47,7 +47,7 @@ class EnterExit:
         here = threading.get_ident()
         thread = here if thread is None else thread
         if recorder is not None and thread == here:
-            recorder.__exit__(None, None, None)
+            self.rebuilds.leave(recorder)
         if thread == here:
             remove_own_hooks(self)
         if torch._C._current_graph_task_id() != -1:
