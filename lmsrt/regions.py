@@ -48,11 +48,11 @@ NOTE [ Region plan ]
      as its regions' and backward's as twice that. A swap costs the copy time compute does not
      hide (out: forward's; in: backward's); rebuilt bytes (step 1's share) cross no link
      (``StepFigures``).
-  4. The prediction is checked against steps that ran. Two choices are made: with rebuilt
-     bytes crossing no link, and with every byte moved (more regions). Unless both are every
-     region, steps 3 and 4 recompute every region, planned, and are timed (the faster counts);
-     then each other choice in turn: the engine learns it, two planned steps are timed. The
-     fastest way holds for the run (the engine learns it once more unless it was the last).
+  4. The plan holds from step 3: no step is spent trying other choices (each cost a learning
+     step that moves every eligible byte, and two timed steps; trials settled only around step
+     12). Where it recomputes every region, step 2 has learnt it already; otherwise the engine
+     learns it in step 3. Every step that learns holds the least the engine can hold, so none
+     runs out of memory where swapping alone fits.
 """
 from __future__ import annotations
 
@@ -112,12 +112,7 @@ class Regions:
         self.step = 0
         self.phase = "survey"           # survey (step 1), timing (step 2), planned
         self.idle = False               # planned to recompute nothing: the hooks return at once
-        self._all = False               # recompute every usable region (timing and trial steps)
-        self._candidates: list = []     # choices of regions still to be tried
-        self._trying: list = []         # the one being tried (first: every region)
-        self._tried: list = []          # (seconds a step, choice)
-        self._starts: dict = {}         # step -> its start mark, while steps are compared
-        self._check_at = 0
+        self._all = False               # recompute every usable region (the timing step)
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
         # A region's first module -> the region.
         self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -283,23 +278,11 @@ class Regions:
         self.read_times()                # into the step that ends, before the engine closes it
         self._kept_calls = 0
         self.step = step
-        if self.phase in ("timing", "trial", "checking"):
-            self._starts[step] = self._mark()    # steps are timed from one start to the next
         if self.phase == "survey" and step >= 2:
             self._survey_done()
         elif self.phase == "timing":
             self._plan()
-        elif self.phase in ("trial", "checking") and step >= self._check_at:
-            self._time_steps()
         self._timings = []
-
-    def _step_seconds(self, step: int) -> float:
-        """How long step ``step`` took, from its start to the next one's (waits for it)."""
-        start, end = self._starts[step][0], self._starts[step + 1][0]
-        if self.simulated:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
 
     def read_times(self) -> None:
         """Add the GPU time of finished recomputes (in order: one stream runs them) to the step
@@ -344,65 +327,32 @@ class Regions:
                 seen.add(region)
                 order.append(region)
         self.order = order
-        self._trying = [r for r in order if r.usable]
         # Forward's time: its regions' (between them, the engine's learning step waits for
         # copies of their inputs).
         t_fwd = sum(r.seconds for r in order)
         bandwidth = self.bandwidth or link_bandwidth(self.engine.device)
-        excess = self._excess
         usable = [r for r in order if r.usable]
-        self.figures = StepFigures(excess, self._saved, self._rebuilt, t_fwd, 2 * t_fwd,
+        self.figures = StepFigures(self._excess, self._saved, self._rebuilt, t_fwd, 2 * t_fwd,
                                    bandwidth)
-        sizes = [(r.nbytes, r.seconds) for r in usable]
-        # Two choices: with rebuilt bytes crossing no link, and (on the safe side, should the
-        # rebuilt share be smaller where the plan leaves swaps) with every byte moved.
-        for figures in (self.figures, dataclasses.replace(self.figures, rebuilt=0)):
-            chosen = [usable[i] for i in choose_regions(sizes, figures)]
-            if chosen != usable and chosen not in self._candidates:
-                self._candidates.append(chosen)
-        self.note = (f"{format_bytes(excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, link "
-                     f"{bandwidth / 1e9:.0f} GB/s, swaps predicted to cost "
-                     f"{self.figures.swap_seconds(0) * 1e3:.1f} ms")
-        if self._candidates:
-            self.phase = "trial"         # two planned steps recompute every region, timed
-            self._check_at = self.step + 2
-        else:
-            self._settle_on(usable)
+        chosen = [usable[i] for i in choose_regions([(r.nbytes, r.seconds) for r in usable],
+                                                    self.figures)]
+        self._apply(chosen)
+        self.phase = "planned"
+        if chosen != usable:
+            self.engine.relearn()        # step 2 learnt every region recomputed (4)
+        self.note = (f"recompute {len(chosen)} of {len(order)} regions (frees "
+                     f"{format_bytes(sum(r.nbytes for r in chosen))}, forward "
+                     f"{sum(r.seconds for r in chosen) * 1e3:.1f} ms): "
+                     f"{format_bytes(self._excess)} over the bound, forward {t_fwd * 1e3:.1f} ms, "
+                     f"link {bandwidth / 1e9:.0f} GB/s, swaps predicted to cost "
+                     f"{self.figures.swap_seconds(0) * 1e3:.1f} ms without regions")
 
     def _apply(self, chosen: list) -> None:
-        """Recompute ``chosen`` from this step on (a choice of the plan, or every region)."""
+        """Recompute ``chosen`` from this step on."""
         self._all = False
         for region in self.order:
             region.chosen = region in chosen
         self.idle = not chosen
-
-    def _time_steps(self) -> None:
-        """The steps of the way being tried are over: note the faster of its last two; try the
-        next way, or settle on the fastest."""
-        seconds = min(self._step_seconds(self.step - 2), self._step_seconds(self.step - 1))
-        self._tried.append((seconds, self._trying))
-        if self._candidates:
-            self._trying = self._candidates.pop(0)
-            self._apply(self._trying)
-            self.engine.relearn()
-            self.phase = "checking"      # it learns in this step, then two planned steps
-            self._check_at = self.step + 3
-            return
-        self._starts = {}
-        seconds, best = min(self._tried, key=lambda t: t[0])
-        if best is not self._trying:
-            self.engine.relearn()
-        self._settle_on(best)
-
-    def _settle_on(self, chosen: list) -> None:
-        self._apply(chosen)
-        self.phase = "planned"
-        tried = ", ".join(f"{len(c)}: {t * 1e3:.1f} ms" for t, c in self._tried)
-        self.note = (f"recompute {len(chosen)} of {len(self.order)} regions (frees "
-                     f"{format_bytes(sum(r.nbytes for r in chosen))}, forward "
-                     f"{sum(r.seconds for r in chosen) * 1e3:.1f} ms); {self.note}"
-                     + (f"; steps timed with so many regions recomputed: {tried}" if tried
-                        else ""))
 
     def stats(self) -> dict:
         """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
@@ -411,7 +361,6 @@ class Regions:
         return dict(regions=len(self.order) or len(set(self._of.values())),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
                     figures=self.figures and dataclasses.asdict(self.figures),
-                    tried=[(len(c), t) for t, c in self._tried],
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
                           for r in self.order],
                     refused={r.name: r.why for r in self.order if not r.usable},

@@ -275,34 +275,38 @@ def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
     assert 15 not in choose_regions(slow, _figures(14))
 
 
-def _two_choices(monkeypatch) -> None:
-    """The plan's two choices taken as given: the last two regions of four, the last three."""
+def _choose_last_two(monkeypatch) -> None:
+    """The plan's choice taken as given: the last two regions of four."""
     import lmsrt.regions
-    choices = iter([[2, 3], [1, 2, 3]])
-    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: next(choices))
+    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: [2, 3])
 
 
 def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
-    _two_choices(monkeypatch)
-    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=7)
+    _choose_last_two(monkeypatch)
+    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=5)
     stats = lms.stats()["regions"]
-    # Steps 3 and 4 recomputed every region; step 5 learnt afresh what the first choice saves,
-    # and step 7 follows its plan, swaps and recomputes mixed.
-    assert stats["phase"] == "checking" and stats["planned"] == 2 and stats["recomputed"] == 2
+    # Step 2 recomputed every region, step 3 learnt afresh what the choice saves, and step 5
+    # follows its plan, swaps and recomputes mixed.
+    assert stats["phase"] == "planned" and stats["planned"] == 2 and stats["recomputed"] == 2
     assert [r.name for r in lms._regions.order if r.chosen] == ["blocks[2]", "blocks[3]"]
     assert "regions: 2 of 4 recomputed" in lms.summary()
     assert lms.stats()["last_step"]["mode"] == "plan"
 
 
-def test_the_fastest_of_the_ways_tried_holds(monkeypatch):
-    _two_choices(monkeypatch)
-    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=12)
-    stats = lms.stats()["regions"]
-    # Every region (steps 3, 4), the first choice (5 to 7), the second (8 to 10): step 11
-    # settled on the fastest.
-    assert stats["phase"] == "planned" and [n for n, _ in stats["tried"]] == [4, 2, 3]
-    fastest = min(stats["tried"], key=lambda t: t[1])[0]
-    assert stats["planned"] == stats["recomputed"] == fastest
+@pytest.mark.parametrize("choice", ["some", "all"])
+def test_the_plan_settles_by_step_three_with_no_trial_steps(monkeypatch, choice):
+    """No step is spent trying choices (NOTE [ Region plan ], 4): the engine learns in steps 1
+    and 2 and, where the plan does not recompute every region, in step 3; every later step is
+    planned and recomputes the same regions."""
+    if choice == "some":
+        _choose_last_two(monkeypatch)
+    lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32), steps=9)
+    history = lms.stats()["history"]
+    learnt = [s["step"] for s in history if s["mode"] != "plan"]
+    assert learnt == ([1, 2, 3] if choice == "some" else [1, 2]), learnt
+    settled = history[3:]
+    want = 2 if choice == "some" else 4
+    assert all(s["mode"] == "plan" and s["recomputed_regions"] == want for s in settled), settled
 
 
 def test_double_backward_through_a_recomputed_region_says_what_to_do():
