@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 __all__ = ["GiB", "OOM_EXIT", "StepTimer", "add_flags", "cap_gpu", "device", "finish",
-           "is_oom", "maybe", "seed_all"]
+           "image_batches", "is_oom", "maybe", "seed_all"]
 
 GiB = 2**30
 OOM_EXIT = 3
@@ -69,6 +69,18 @@ def seed_all(seed: int) -> None:
 def maybe(lms) -> contextlib.AbstractContextManager:
     """``lms`` (an ``lmsrt.LMS``) around the whole loop, or nothing."""
     return contextlib.nullcontext() if lms is None else lms
+
+
+def image_batches(batch: int, size: int, classes: int, steps: int, seed: int):
+    """What an image DataLoader with pin_memory=True yields: (images, labels) in pinned host
+    memory (on a GPU machine), two random batches in turn, ``steps`` of them."""
+    g = torch.Generator().manual_seed(seed)
+    pool = [(torch.randn(batch, 3, size, size, generator=g),
+             torch.randint(classes, (batch,), generator=g)) for _ in range(2)]
+    if torch.cuda.is_available():
+        pool = [(x.pin_memory(), y.pin_memory()) for x, y in pool]
+    for i in range(steps):
+        yield pool[i % 2]
 
 
 class StepTimer:

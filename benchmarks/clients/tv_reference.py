@@ -17,7 +17,7 @@ classes, batch 4 of 3 x 32 x 32, no AMP.
 import argparse
 
 import torch
-from common import add_flags, cap_gpu, device, finish, maybe, seed_all
+from common import add_flags, cap_gpu, device, finish, image_batches, maybe, seed_all
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
@@ -48,18 +48,6 @@ def build(args):
     return model, criterion, optimizer, scaler
 
 
-def batches(args, classes: int):
-    """What the reference's DataLoader yields: pinned host batches, two of them in turn."""
-    g = torch.Generator().manual_seed(args.seed)
-    size = 32 if args.tiny else 224
-    pool = [(torch.randn(args.batch, 3, size, size, generator=g),
-             torch.randint(classes, (args.batch,), generator=g)) for _ in range(2)]
-    if torch.cuda.is_available():
-        pool = [(x.pin_memory(), y.pin_memory()) for x, y in pool]
-    for i in range(args.steps):
-        yield pool[i % 2]
-
-
 def train(args, lms=None, timer=None):
     """Train ``args.steps`` steps (under ``lms``, an ``lmsrt.LMS``, if given); the model."""
     dev = device()
@@ -67,7 +55,8 @@ def train(args, lms=None, timer=None):
     model, criterion, optimizer, scaler = build(args)
     model.train()
     with maybe(lms):
-        for image, target in batches(args, 10 if args.tiny else 1000):
+        for image, target in image_batches(args.batch, 32 if args.tiny else 224,
+                                           10 if args.tiny else 1000, args.steps, args.seed):
             if timer:
                 timer.begin()
             image, target = image.to(dev, non_blocking=True), target.to(dev, non_blocking=True)
