@@ -118,8 +118,8 @@ def planned_runs(args) -> List[Run]:
 
 def command(args, run: Run, json_path: str, stats_path: str) -> List[str]:
     client = CLIENTS[run.client]
-    script = [os.path.join(HERE, client.script), *client.args, "--steps", str(args.steps),
-              "--json", json_path]
+    script = [os.path.join(HERE, client.script), *client.args, *shlex.split(args.script_args),
+              "--steps", str(args.steps), "--json", json_path]
     if "peer" in run.method:
         script += client.peer
     cap = "CAP" if run.cap is None and run.fraction is not None else run.cap
@@ -213,6 +213,7 @@ def execute(args, run: Run) -> dict:
         times = data["step_times_s"]
         row.update(outcome=data["outcome"], message=data["message"], oom_step=data["oom_step"],
                    device=data["device"], torch=data["torch"], steps=data["steps_done"],
+                   lmsrt_active=data["lmsrt_active"],
                    peak_gib=data["peak_gib"], step_times_s=times, losses=data["losses"],
                    settled_s=settled(times), first30=first_cost(times))
         if row["exit"] not in (0, 3):
@@ -293,6 +294,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="benchmarks/results/clients")
     ap.add_argument("--lmsrt-args", default="", help="more options of lmsrt run, e.g. "
                                                      "--lmsrt-args='--recompute off'")
+    ap.add_argument("--script-args", default="", help="more flags of every client script, e.g. "
+                                                      "--script-args=--tiny (a CPU try-out)")
     ap.add_argument("--quick", action="store_true", help="only " + ", ".join(
         f"{c} {m}{'' if cap is None else f' at {cap}'}" for c, m, cap in QUICK))
     ap.add_argument("--full", action="store_true",
