@@ -1,0 +1,222 @@
+"""The client matrix's scripts (benchmarks/clients/), built tiny on the simulated device: each
+library's own loop trains under lmsrt without running out of memory, its parameters and buffers
+equal bit for bit to the same seeded run without lmsrt, at lmsrt's defaults and where lmsrt is
+made to move, rebuild and recompute everything it can. And the matrix runner's plan, its table
+and one small run of it. The GPU numbers come from running benchmarks/clients/matrix.py on a GPU.
+
+Each client is skipped where its library is missing (``pip install -e ".[clients]"``; timm and
+torchvision are not in that extra)."""
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lmsrt
+
+CLIENTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "clients"
+# Each client, the libraries it needs, and its tiny flags.
+NEEDS = {"hf_trainer": ("transformers", "accelerate"), "gpt2_script": (),
+         "tv_reference": ("torchvision",), "lightning_trainer": ("lightning",),
+         "timm_train": ("timm",)}
+TINY = ["--tiny", "--steps", "3"]
+
+
+def _client(name: str):
+    """benchmarks/clients/<name>.py as a module (its imports of common and nanogpt found beside
+    it), after skipping where a library it needs is missing."""
+    for lib in NEEDS.get(name, ()):
+        pytest.importorskip(lib)
+    path = list(sys.path)
+    sys.path.insert(0, str(CLIENTS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_client_{name}", CLIENTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module          # dataclasses look their module up
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
+def _forced() -> lmsrt.LMS:
+    """An LMS that takes every eligible tensor off the device and recomputes every region it
+    may: a link of 1 byte/s hides no copy, and any excess is worth it (tests/test_regions.py)."""
+    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device="sim")
+    lms._regions.bandwidth, lms._regions.worth = 1.0, 0
+    return lms
+
+
+def _check(name: str, argv, forced: bool) -> lmsrt.LMS:
+    """Train ``name`` tiny without lmsrt and under it; the state after the last step is the same
+    bit for bit, and every step ran. Returns the LMS for more checks."""
+    client = _client(name)
+    common = sys.modules["common"]
+    args = client.parse(argv)
+    plain = client.train(args)
+    lms = _forced() if forced else lmsrt.LMS(device="sim")
+    timer = common.StepTimer()
+    try:
+        under = client.train(args, lms=lms, timer=timer)
+    finally:
+        lms.close()
+    assert timer.steps == args.steps and len(timer.times) == args.steps
+    assert all(loss is not None and math.isfinite(loss) for loss in timer.losses), timer.losses
+    want, got = plain.state_dict(), under.state_dict()
+    assert list(want) == list(got)
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, f"{name}: not equal to the run without lmsrt: {differ[:5]}"
+    total = lms.stats()["total"]
+    assert total["alloc_failures"] == 0
+    if forced:
+        assert total["out_bytes"] + total["recipe_bytes"] > 0, "lmsrt moved nothing"
+    return lms
+
+
+CASES = [pytest.param("hf_trainer", [], id="hf"),
+         pytest.param("hf_trainer", ["--gradient-checkpointing"], id="hf-peer"),
+         pytest.param("gpt2_script", ["--eval-interval", "2"], id="gpt2"),
+         pytest.param("gpt2_script", ["--checkpoint", "--grad-accum", "2"], id="gpt2-peer"),
+         pytest.param("tv_reference", ["--channels-last"], id="tv"),
+         pytest.param("tv_reference", ["--checkpoint"], id="tv-peer"),
+         pytest.param("lightning_trainer", ["--precision", "bf16-mixed"], id="lightning"),
+         pytest.param("lightning_trainer", ["--checkpoint"], id="lightning-peer"),
+         pytest.param("timm_train", [], id="timm"),
+         pytest.param("timm_train", ["--checkpoint"], id="timm-peer")]
+
+
+@pytest.mark.parametrize("name, extra", CASES)
+def test_each_client_is_exact_at_the_defaults(name, extra):
+    _check(name, TINY + extra, forced=False)
+
+
+@pytest.mark.parametrize("name, extra", CASES)
+def test_each_client_is_exact_when_everything_moves(name, extra):
+    _check(name, TINY + extra, forced=True)
+
+
+# Blocks lmsrt should recompute when made to, and why it does not yet where it does not.
+KWARGS = ("lmsrt/regions.py refuses a block called with keyword arguments (Rule 3); region "
+          "recompute of such calls is being reworked")
+REGIONS = [
+    pytest.param("hf_trainer", [], id="hf", marks=pytest.mark.xfail(
+        reason="LlamaDecoderLayer: " + KWARGS, strict=False)),
+    pytest.param("lightning_trainer", [], id="lightning", marks=pytest.mark.xfail(
+        reason="nn.TransformerEncoderLayer(x, src_mask=..., is_causal=True): " + KWARGS,
+        strict=False)),
+    pytest.param("gpt2_script", ["--eval-interval", "0"], id="gpt2", marks=pytest.mark.xfail(
+        reason="nanoGPT keeps its blocks in a ModuleList inside an nn.ModuleDict "
+               "(model.transformer.h); regions.py looks for ModuleLists only among the children "
+               "of a module that is called, and a ModuleDict is never called", strict=False)),
+    pytest.param("tv_reference", [], id="tv"),
+    pytest.param("timm_train", [], id="timm"),
+]
+
+
+@pytest.mark.parametrize("name, extra", REGIONS)
+def test_blocks_are_recomputed_exactly_when_made_to(name, extra):
+    lms = _check(name, ["--tiny", "--steps", "4", *extra], forced=True)
+    regions = lms.stats()["regions"]
+    assert regions and regions["regions"] > 0, regions
+    assert not regions["refused"], regions["refused"]
+    assert lms.stats()["total"]["recomputed_bytes"] > 0, regions["note"]
+
+
+# -- the shared helpers -------------------------------------------------------------------------
+
+def test_an_out_of_memory_error_is_written_and_exits_3(tmp_path):
+    common = _client("common")
+    args = common.add_flags(__import__("argparse").ArgumentParser()).parse_args(
+        ["--json", str(tmp_path / "r.json")])
+
+    def run(timer):
+        for _ in range(2):
+            timer.begin()
+            timer.end(torch.tensor(1.5))
+        raise RuntimeError("wrapped") from torch.OutOfMemoryError("CUDA out of memory. Tried")
+
+    with pytest.raises(SystemExit) as exit:
+        common.finish(args, run, "fake")
+    assert exit.value.code == common.OOM_EXIT == 3
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["outcome"] == "oom" and result["oom_step"] == 3
+    assert result["losses"] == [1.5, 1.5] and len(result["step_times_s"]) == 2
+    # Any other error is the script's own: it leaves as it is, and nothing is written.
+    args.json = str(tmp_path / "other.json")
+    with pytest.raises(ValueError):
+        common.finish(args, lambda timer: int("x"), "fake")
+    assert not (tmp_path / "other.json").exists()
+
+
+def test_the_cap_is_lmsrts_under_lmsrt_run(monkeypatch):
+    common = _client("common")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 80 * common.GiB}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, *a: calls.append(f))
+    monkeypatch.delenv("LMSRT_ACTIVE", raising=False)
+    common.cap_gpu(20)
+    monkeypatch.setenv("LMSRT_ACTIVE", "1")
+    common.cap_gpu(20)
+    assert calls == [0.25]
+
+
+# -- the matrix -------------------------------------------------------------------------------
+
+def _matrix(*argv, env=None):
+    return subprocess.run([sys.executable, str(CLIENTS / "matrix.py"), *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_the_dry_run_lists_every_run():
+    out = _matrix("--dry-run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    n = len(lines)
+    assert n > 20 and lines[0].startswith(f"run 1 of {n}: hf-plain-none: ")
+    assert any("-m lmsrt run --gpu-limit 20 --stats" in line and "hf_trainer.py" in line
+               and "--gradient-checkpointing" not in line for line in lines)
+    assert any("hf_trainer.py" in line and "--gradient-checkpointing --gpu-limit 10" in line
+               for line in lines)
+    assert "min on an H100" in out.stderr
+    quick = _matrix("--dry-run", "--quick").stdout.splitlines()
+    assert 3 <= len(quick) < n
+    bad = _matrix("--dry-run", "--clients", "nope")
+    assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_a_peer_that_fits_is_taken_from_its_uncapped_run():
+    matrix = _client("matrix")
+    runs = [matrix.Run("hf", m, cap) for cap in (20, 14, 10) for m in ("peer", "lmsrt+peer")]
+    taken = [(r.method, r.cap) for r in runs if matrix.taken_elsewhere(r, runs, r.cap, 11.8)]
+    # The peer peaked at 11.8 GiB: it is the uncapped run at 20 and 14 GiB (under 85%), and
+    # lmsrt beside it runs at 14 (the lowest cap it fits) and 10 (where it does not), not 20.
+    assert taken == [("peer", 20), ("lmsrt+peer", 20), ("peer", 14)]
+    assert matrix.first_cost([2.0] + [1.0] * 39) == pytest.approx(31 / 30)
+    assert matrix.settled([9.0] * 30 + [1.0] * 10) == 1.0
+
+
+def test_the_matrix_runs_the_hf_client_under_lmsrt_run_unchanged(tmp_path):
+    """The one test that starts processes: the matrix runs `lmsrt run` on the tiny HF client."""
+    _client("hf_trainer")
+    env = dict(os.environ, LMSRT_DEVICE="sim")
+    env.pop("LMSRT_ACTIVE", None)
+    out = _matrix("--clients", "hf", "--methods", "lmsrt", "--caps", "14", "--steps", "3",
+                  "--script-args=--tiny", "--out", str(tmp_path), env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "run 1 of 1: hf lmsrt at 14 GiB" in out.stderr
+    data = json.loads((tmp_path / "clients.json").read_text())
+    [row] = data["rows"]
+    assert row["outcome"] == "ok" and row["lmsrt_active"], row
+    assert row["cap_gib"] == 14 and len(row["step_times_s"]) == 3 and row["settled_s"] > 0
+    assert row["moved_gib"] is not None and row["regions_note"]      # from lmsrt's --stats
+    stats = json.loads((tmp_path / "runs" / "hf-lmsrt-14.stats.json").read_text())
+    assert stats["total"]["steps"] == 3
+    assert "| hf | 14 | lmsrt | ok |" in (tmp_path / "clients.md").read_text()
