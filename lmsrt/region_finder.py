@@ -18,7 +18,7 @@ from torch import nn
 
 from .region_safety import BlockState
 
-__all__ = ["BlockFinder", "Region", "spans"]
+__all__ = ["BlockFinder", "Region", "blocks_line"]
 
 _LEARNING = 2            # a region's first calls whose inputs are watched after it (Rule 5)
 
@@ -137,7 +137,7 @@ class BlockFinder:
         self.scanned_children = weakref.WeakSet()
 
 
-def spans(regions: List[Region]) -> str:
+def _spans(regions: List[Region]) -> str:
     """"model.layers[0..23], LlamaDecoderLayer; ..." of regions in forward order."""
     groups: dict = {}
     for r in regions:
@@ -153,3 +153,11 @@ def spans(regions: List[Region]) -> str:
     return "; ".join(parts)
 
 
+
+
+def blocks_line(found: List[Region]) -> str:
+    """What is said once: "lmsrt: 24 repeated blocks (model.layers[0..23], LlamaDecoderLayer);
+    refused: ..." (NOTE [ Recomputed regions ], Rule 6)."""
+    refused = [f"{r.name}: {r.why}" for r in found if not r.usable]
+    return (f"lmsrt: {len(found)} repeated blocks ({_spans(found)})"
+            + (f"; refused: {'; '.join(refused)}" if refused else "; none refused"))

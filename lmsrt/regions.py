@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from . import params
-from .region_finder import BlockFinder, Region, spans
+from .region_finder import BlockFinder, Region, blocks_line
 from .region_frames import Frame, rerun
 from .region_plan import StepFigures, choose_regions, over_bound
 from .say import say_once
@@ -324,14 +324,15 @@ class Regions:
         (NOTE [ Region plan ])."""
         self.read_times()                # into the step that ends, before the engine closes it
         self.leave()
-        if not self._saw_grad and self.phase in ("survey", "timing"):
-            return                       # an evaluation (no grad) is no step to learn from
-        self._saw_grad = False
         self._kept_calls = 0
         self.step = step
         if self.phase in ("timing", "trial", "checking"):
             self._starts[step] = self._mark()    # steps are timed from one start to the next
-        if self.phase == "survey" and step >= 2:
+        # An evaluation (no grad) is no step to find or time regions in.
+        learnt, self._saw_grad = self._saw_grad, False
+        if not learnt and self.phase in ("survey", "timing"):
+            pass
+        elif self.phase == "survey" and step >= 2:
             self._survey_done()
         elif self.phase == "timing":
             self._plan()
@@ -463,10 +464,7 @@ class Regions:
         found = self._found()
         if not found or "blocks" in self._said:
             return
-        refused = [f"{r.name}: {r.why}" for r in found if not r.usable]
-        say_once("blocks", f"lmsrt: {len(found)} repeated blocks ({spans(found)})"
-                 + (f"; refused: {'; '.join(refused)}" if refused else "; none refused"),
-                 given=self._said, stacklevel=5)
+        say_once("blocks", blocks_line(found), given=self._said, stacklevel=5)
 
     def stats(self) -> dict:
         """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
