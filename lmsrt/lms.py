@@ -216,6 +216,8 @@ class LMS:
                 engine.exit_again(thread)       # an exit to match the one left in backward
             return
         pushed, recorder = active
+        if pushed and self._regions is not None and thread == threading.get_ident():
+            self._regions.leave()               # no region frame outlives the block
         if pushed:
             engine.exit(recorder, exc, thread)
 

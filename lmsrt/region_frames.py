@@ -1,10 +1,11 @@
 """One call of a recomputed region: what autograd holds for its saved tensors, and its rerun
-in backward (regions.py, NOTE [ Recomputed regions ], Rules 3-5).
+in backward (regions.py, NOTE [ Recomputed regions ], Rules 3-7).
 
 Example::
 
-    frame = Frame(regions, region, args, (engine_pack, engine_unpack))   # as a region is entered
-    rerun(frame)                          # in backward, at the first unpack of a dropped tensor
+    frame = Frame(regions, region, args, kwargs, (engine_pack, engine_unpack))   # at entry
+    frame.close("")                      # at its exit: drops what its ops saved, or keeps them
+    rerun(frame)                         # in backward, at the first unpack of a dropped tensor
 """
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine.records import counter_only, modified_error
+from .hook_stack import remove_own_hooks
 from .options import spelled
+from .region_safety import ambient, generator_states, restore_ambient
 
 __all__ = ["Frame", "rerun"]
+
+_TURN_OFF = f"Turn recompute off (recompute=False, {spelled('recompute', False)})."
 
 
 class _Handle:
@@ -30,31 +36,58 @@ class _Handle:
         self.frame, self.index = frame, index
 
 
-class Frame:
-    """One call of a region in one forward: its inputs, its saved tensors' metadata and, while
-    it runs (or for good, Rule 3), the tensors themselves."""
+def _device_ctx():
+    """The ``torch.device`` context forward ran under, for the rerun (as torch's checkpoint)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    modes = _get_current_function_mode_stack()
+    return next((m for m in reversed(modes) if isinstance(m, DeviceContext)), None)
 
-    def __init__(self, regions, region, args: tuple, outer):
+
+class Frame:
+    """One call of a region in one forward: its inputs (every tensor in its arguments, nested
+    ones and keyword ones included, through the engine), the state its rerun restores, its saved
+    tensors' metadata and, while it runs, the tensors themselves."""
+
+    def __init__(self, regions, region, args: tuple, kwargs: dict, outer):
         self.regions, self.region = regions, region
-        self.outer_unpack = outer[1]
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self.outer_pack, self.outer_unpack = outer
+        leaves, self.spec = tree_flatten((args, kwargs))
+        tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         # Tensors go through the engine's hooks (kept or swapped), the rest as they are.
-        self.args = tuple((True, outer[0](a), a.requires_grad) if isinstance(a, torch.Tensor)
-                          else (False, a, False) for a in args)
-        self.input_versions = [(a, a._version) for a in tensors]
-        self.input_ptrs = {a.untyped_storage().data_ptr() for a in tensors}
-        self.device = tensors[0].device if tensors else torch.device("cpu")
-        kind = self.device.type
+        self.leaves = [(True, outer[0](t), t.requires_grad) if isinstance(t, torch.Tensor)
+                       else (False, t, False) for t in leaves]
+        self.inputs = [(i, t, t._version) for i, t in tensors]   # until the frame settles
+        self.input_ptrs = {t.untyped_storage().data_ptr(): i for i, t in tensors}
+        self.unsaved = set(self.input_ptrs.values())    # inputs its ops did not save
+        # Rule 6: RNG of the CPU and of every CUDA device its tensors live on (and the current
+        # one); autocast of each device type; the ambient flags; each module's train flag.
+        kinds = {"cpu"} | {t.device.type for _, t in tensors}
         self.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
-                         for k in dict.fromkeys(("cpu", kind))]
+                         for k in sorted(kinds) if torch.amp.is_autocast_available(k)]
         self.cpu_rng = torch.get_rng_state()
-        self.gpu_rng = torch.cuda.get_rng_state(self.device) if kind == "cuda" else None
+        cuda = {t.device for _, t in tensors if t.device.type == "cuda"}
+        if torch.cuda.is_initialized():
+            cuda.add(torch.device("cuda", torch.cuda.current_device()))
+        self.gpu_rng = [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+        self.ambient = ambient()
+        self.device_ctx = _device_ctx()
+        state = region.state
+        self.modes = state.modes()
+        self.versions = state.versions()
+        self.generators = state.generators()
         self.meta: list = []          # per saved tensor: [counter, version, shape, dtype]
-        self.saved: Dict[int, torch.Tensor] = {}   # held (forward, Rule 3) or kept (parameters)
+        self.saved: Dict[int, torch.Tensor] = {}   # held (forward, Rule 3) or parameters
+        self.outer: Dict[int, object] = {}         # kept: the engine's handles (Rule 3)
         self.params: set = set()      # indices of parameters (and views of them): always kept
         self.again: Optional[Dict[int, torch.Tensor]] = None   # from the last recompute
         self.dropped = False
         self.nbytes = 0               # bytes dropped (storages other than inputs and parameters)
+        self.depth = 1                # module calls running inside it (its first one, at entry)
+        self.pos = 0                  # the chain's modules returned so far
+        self.span = None              # its forward's timing span, in a timing step
+        self.blind = False            # called with keyword arguments its entry did not see
+        self.unpacked = False         # backward used what it holds before it settled
         self._seen: Optional[set] = set()
         self.hooks: Optional[saved_tensors_hooks] = saved_tensors_hooks(self.pack, self.unpack)
 
@@ -68,27 +101,74 @@ class Frame:
         else:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self._seen and ptr not in self.input_ptrs:
+            if ptr in self.input_ptrs:
+                self.unsaved.discard(self.input_ptrs[ptr])
+            elif ptr not in self._seen:
                 self._seen.add(ptr)
                 self.nbytes += storage.nbytes()
         return _Handle(self, index)
 
-    def close(self, keep_why: str) -> None:
-        """The region returned (Rule 3): drop what its ops saved, unless ``keep_why``."""
-        self.hooks.__exit__(None, None, None)
+    def follows(self, module: nn.Module) -> bool:
+        """Whether ``module``, called outside its modules, is its chain's next one."""
+        modules = self.region.modules
+        return self.region.chain and self.pos < len(modules) and modules[self.pos] is module
+
+    def close(self, keep_why: str) -> str:
+        """It returned, raised (``keep_why``), or a walk left it (Rule 3): its own hooks come
+        off the stack, wherever they are. Returns why its region is refused from now on, or
+        "" (then ``settle`` drops or keeps what it saved)."""
+        remove_own_hooks(self)
         self.hooks = self._seen = None          # (the hooks hold this frame: no cycle left)
-        if not keep_why:
-            keep_why = next(("it changed an input in place" for a, v in self.input_versions
-                             if a._version != v), "")
-        self.input_versions = []
         if keep_why:
-            self.region.usable, self.region.why = False, keep_why
-            return
+            self.keep()
+            return ""
+        state = self.region.state
+        after = state.versions()
+        moved = state.moved(self.versions, after)
+        why = (next(("it changed an input in place" for _, t, v in self.inputs
+                     if t._version != v), "")
+               or (f"its forward changed {moved} in place" if moved else "")
+               or state.drew(self.generators, self.generators and generator_states()))
+        self.versions = after           # what the rerun must find (Rule 7)
+        if why:
+            self.keep()
+        return why
+
+    def settle(self) -> bool:
+        """Drop what its ops saved (Rule 3), unless an input its ops did not save was changed
+        in place since it returned (``x += block(x)``): then keep them. Returns whether kept."""
+        moved = any(t._version != v for i, t, v in self.inputs if i in self.unsaved)
+        self.inputs = []
+        if self.unpacked:               # backward came first: it has what it needs
+            return True
+        if moved:
+            self.keep()
+            return True
         for index, meta in enumerate(self.meta):
             if index not in self.params:
                 del self.saved[index]
                 meta[0] = counter_only(meta[0])
         self.dropped = True
+        return False
+
+    def copy_unsaved(self) -> None:
+        """Hand the engine copies of the inputs its ops did not save, as they are now: an
+        in-place change after the region (``x += block(x)``) leaves the rerun's inputs alone."""
+        for i, t, _ in self.inputs:
+            if i in self.unsaved:
+                _, _, grad = self.leaves[i]
+                self.leaves[i] = (True, self.outer_pack(t.detach().clone()), grad)
+        self.unsaved = set()
+
+    def keep(self) -> None:
+        """Nothing is recomputed: what its ops saved goes to the engine, which keeps or swaps
+        it like any saved tensor; its inputs are not needed (Rule 3)."""
+        for index, alias in list(self.saved.items()):
+            if index not in self.params:
+                self.outer[index] = self.outer_pack(alias)
+                del self.saved[index]
+                self.meta[index][0] = counter_only(alias.detach())
+        self.leaves = self.inputs = None
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
         index = handle.index
@@ -98,14 +178,16 @@ class Frame:
                                   f"was saved inside the recomputed region {self.region.name}")
         tensor = self.saved.get(index)
         if tensor is not None:
+            self.unpacked = True
             return tensor
+        if index in self.outer:
+            return self.outer_unpack(self.outer[index])
         if torch.is_grad_enabled():
             # A backward that builds a graph of its own (create_graph=True) would need the
             # recomputed tensors' history, which the rerun does not keep.
             raise RuntimeError(
                 f"lmsrt: region {self.region.name} was recomputed, and a backward with "
-                "create_graph=True (double backward) cannot use recomputed tensors. Turn "
-                f"recompute off for such models (recompute=False, {spelled('recompute', False)}).")
+                f"create_graph=True (double backward) cannot use recomputed tensors. {_TURN_OFF}")
         if self.again is None or index not in self.again:
             self.regions.recompute(self)
         tensor = self.again.pop(index, None)
@@ -113,9 +195,26 @@ class Frame:
             raise RuntimeError(
                 f"lmsrt: recomputing region {self.region.name} saved fewer tensors than its "
                 "forward did: its forward does not repeat itself (control flow on data or on "
-                f"global state). Turn recompute off (recompute=False, "
-                f"{spelled('recompute', False)}).")
+                f"global state). {_TURN_OFF}")
         return tensor
+
+    def input_of_rerun(self, i: int) -> torch.Tensor:
+        """Input ``i`` back from the engine, as forward saw it."""
+        _, handle, grad = self.leaves[i]
+        try:
+            t = self.outer_unpack(handle)
+        except RuntimeError as e:
+            if i not in self.unsaved or "modified by an inplace operation" not in str(e):
+                raise
+            self.regions.refuse(self.region, "an input its ops did not save was changed in "
+                                "place after it returned")
+            raise RuntimeError(
+                f"lmsrt: an input of region {self.region.name}, which its ops did not save, was "
+                "changed in place after the region returned. Autograd allows that, but "
+                "recomputing the region needs the input as it was, so this backward cannot "
+                "go on; lmsrt keeps what the region saves from now on (said once). Run the "
+                f"step again, or keep the input unchanged until backward. {_TURN_OFF}") from None
+        return t.detach().requires_grad_(grad)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -133,7 +232,8 @@ class _Collect:
 
     def __init__(self, frame: Frame):
         self.frame, self.index = frame, 0
-        self.left = sum(1 for i in range(len(frame.meta)) if i not in frame.saved)
+        self.left = sum(1 for i in range(len(frame.meta))
+                        if i not in frame.saved and i not in frame.outer)
         frame.again = {}
 
     def pack(self, t: torch.Tensor) -> int:
@@ -146,7 +246,7 @@ class _Collect:
                     f"lmsrt: recomputing region {frame.region.name} saved a {t.dtype} tensor of "
                     f"shape {list(t.shape)} where its forward saved {dtype} {list(shape)}: its "
                     "forward does not repeat itself (control flow on data or on global state). "
-                    f"Turn recompute off (recompute=False, {spelled('recompute', False)}).")
+                    f"{_TURN_OFF}")
             frame.again[index] = t.detach()
             self.left -= 1
             if not self.left:
@@ -160,35 +260,50 @@ class _Collect:
 
 def rerun(frame: Frame) -> None:
     """Run ``frame``'s region again, collecting what its ops save (NOTE [ Recomputed regions ],
-    Rule 4, in regions.py)."""
+    Rules 4 and 6, in regions.py)."""
     region = frame.region
-    inputs = [frame.outer_unpack(a).detach().requires_grad_(grad) if tensor else a
-              for tensor, a, grad in frame.args]
-    # Rule 4: the rerun updates copies of the running statistics, which then go (the
-    # buffers themselves are never written: they may be saved tensors too).
-    norms = [m for module in region.modules for m in module.modules()
-             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
-             and m.track_running_stats]
-    devices = [frame.device] if frame.gpu_rng is not None else []
+    leaves = [frame.input_of_rerun(i) if tensor else a
+              for i, (tensor, a, _) in enumerate(frame.leaves)]
+    args, kwargs = tree_unflatten(leaves, frame.spec)
     with contextlib.ExitStack() as stack:
+        region.state.restore_modes(stack, frame.modes)
+        # Rule 7: what it reads besides its arguments is as forward saw it, or nothing runs.
+        moved = region.state.moved(frame.versions, region.state.versions())
+        if moved:
+            frame.regions.refuse(region, f"{moved}, which it reads, was changed in place "
+                                 "between forward and backward")
+            raise RuntimeError(
+                f"lmsrt: recomputing region {region.name} needs the parameters and buffers it "
+                f"read in forward, but {moved} was changed in place between forward and "
+                "backward (outside an optimizer step and .data, which lmsrt sees coming). "
+                "Change parameters after backward; lmsrt keeps what this region saves from "
+                f"now on (said once). {_TURN_OFF}")
+        # Rule 4: the rerun updates copies of the running statistics, which then go (the
+        # buffers themselves are never written: they may be saved tensors too).
+        norms = [m for module in region.modules for m in module.modules()
+                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+                 and m.track_running_stats]
         for m in norms:
             stack.callback(m._buffers.update, dict(m._buffers))
             m._buffers.update((k, b.clone()) for k, b in m._buffers.items() if b is not None)
-        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(torch.random.fork_rng(devices=[d for d, _ in frame.gpu_rng]))
         torch.set_rng_state(frame.cpu_rng)
-        if frame.gpu_rng is not None:
-            torch.cuda.set_rng_state(frame.gpu_rng, frame.device)
+        for device, state in frame.gpu_rng:
+            torch.cuda.set_rng_state(state, device)
+        restore_ambient(stack, frame.ambient)
         for kind, enabled, dtype in frame.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        if frame.device_ctx is not None:
+            stack.enter_context(frame.device_ctx)
         stack.enter_context(torch.enable_grad())
         collect = _Collect(frame)
         stack.enter_context(saved_tensors_hooks(collect.pack, collect.unpack))
         try:
             if region.chain:
-                x = inputs[0]
+                x = args[0]
                 for m in region.modules:
                     x = m(x)
             else:
-                region.modules[0](*inputs)
+                region.modules[0](*args, **kwargs)
         except _Stop:
             pass

@@ -66,8 +66,11 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from . import params
+from .region_finder import BlockFinder, Region, blocks_line
 from .region_frames import Frame, rerun
 from .region_plan import StepFigures, choose_regions, over_bound
+from .say import say_once
 from .units import format_bytes
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
@@ -76,19 +79,6 @@ SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time
                                # sets ``Regions.bandwidth`` to make them cost)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
-
-
-class _Region:
-    """A repeated block (or a stage of a Sequential), its measurements and the plan's choice."""
-
-    __slots__ = ("name", "modules", "chain", "usable", "why", "nbytes", "seconds", "chosen",
-                 "__weakref__")
-
-    def __init__(self, name: str, modules: tuple, chain: bool):
-        self.name, self.modules, self.chain = name, modules, chain
-        self.usable, self.why = True, ""
-        self.nbytes, self.seconds = 0, 0.0
-        self.chosen = False
 
 
 class Regions:
@@ -114,16 +104,16 @@ class Regions:
         self.idle = False               # planned to recompute nothing: the hooks return at once
         self._all = False               # recompute every usable region (the timing step)
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
-        # A region's first module -> the region.
-        self._of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._scanned: "weakref.WeakSet" = weakref.WeakSet()
-        self._scanned_children: "weakref.WeakSet" = weakref.WeakSet()   # of mixed Sequentials
-        self._mixed: list = []          # (name, Sequential) of mixed classes, grouped after step 1
-        self._out_bytes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self.order: List[_Region] = []  # regions in forward order, as the timing step ran them
+        self.finder = BlockFinder(self.refuse)
+        self._of = self.finder.of       # a region's first module -> the region
+        self.order: List[Region] = []  # regions in forward order, as the timing step ran them
         self.figures: Optional[StepFigures] = None   # what the plan was made from
-        self._local = threading.local()
-        self._timings: list = []        # (region, start, end) of this step's recomputed forwards
+        self._local = threading.local()     # this thread's open frame and the one to settle
+        self._waiting: "weakref.WeakSet" = weakref.WeakSet()   # dropped frames not yet rerun
+        self._lock = threading.Lock()
+        self._said: set = set()         # this LMS's lines said once
+        self._saw_grad = False          # this step ran a forward with grad (not an evaluation)
+        self._timings: list = []        # [region, start, end] of this step's recomputed forwards
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._kept_calls = 0            # this step's region calls that kept their tensors
         self._span: list = []           # forward's first region start and last region end
@@ -132,9 +122,11 @@ class Regions:
 
         # Under torch.compile (which traces module hooks) nothing is done: saved-tensor hooks
         # see a compiled graph's tensors all at once, after it (DESIGN.md, "Compiled graphs").
-        def pre(module, args):
+        def pre(module, args, kwargs=None):
+            # kwargs: for a region's module only, which names this hook in its
+            # ``_forward_pre_hooks_with_kwargs`` (a global pre-hook has no with_kwargs of its own).
             regions = None if torch.compiler.is_compiling() else me()
-            return None if regions is None or regions.idle else regions._pre(module, args)
+            return None if regions is None or regions.idle else regions._pre(module, args, kwargs)
 
         def post(module, args, *rest):
             # (kwargs, output) after a forward; (output,) where it raised (always_call).
@@ -142,6 +134,7 @@ class Regions:
             return None if regions is None or regions.idle else regions._post(module, *rest)
 
         handles.append(nn.modules.module.register_module_forward_pre_hook(pre))
+        self.finder.kwargs_of = handles[0].id
         handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
                                                                        always_call=True))
         self._finalizer = weakref.finalize(self, _remove, handles)
@@ -155,50 +148,8 @@ class Regions:
 
     # -- structure (Rule 1) --------------------------------------------------------------------
 
-    def _scan(self, module: nn.Module) -> None:
-        self._scanned.add(module)
-        containers = [(n, c) for n, c in module.named_children() if isinstance(c, nn.ModuleList)]
-        if isinstance(module, nn.Sequential):
-            containers.append(("", module))
-        for name, container in containers:
-            children = list(container)
-            counts = collections.Counter(type(c) for c in children)
-            # Compiled blocks are torch.compile's partitioner's to recompute (Rule 1).
-            repeated = [i for i, c in enumerate(children) if counts[type(c)] > 1
-                        and getattr(c, "_compiled_call_impl", None) is None]
-            if not repeated or any(c in self._of for c in children):
-                continue
-            label = name or type(container).__name__
-            chain = (isinstance(container, nn.Sequential)
-                     and type(container).forward is nn.Sequential.forward)
-            if chain and len(counts) > 1:
-                self._mixed.append((label, container))
-                self._scanned_children.update(children)
-                continue
-            for i in repeated:
-                region = _Region(f"{label}[{i}]", (children[i],), False)
-                self._of[children[i]] = region
-
     def _group(self) -> None:
-        """Rule 1: stages of the Sequentials of mixed classes, from step 1's output sizes."""
-        for label, container in self._mixed:
-            children = list(container)
-            lead = next((type(c) for c in children if any(True for _ in c.parameters())), None)
-            starts = [0]
-            for i, c in enumerate(children):
-                if type(c) is not lead or i == 0:
-                    continue
-                j = i                  # earliest parameter-free child before it, after a stage
-                while (j - 1 > starts[-1] and not any(True for _ in children[j - 1].parameters())):
-                    j -= 1
-                # Cut where the tensor passed on is smallest: after child p - 1, p in [j, i].
-                sizes = {p: self._out_bytes.get(children[p - 1], 0) for p in range(j, i + 1)}
-                starts.append(min(sizes, key=lambda p: (sizes[p], -p)))
-            for a, b in zip(starts, starts[1:] + [len(children)]):
-                region = _Region(f"{label}[{a}:{b}]", tuple(children[a:b]), True)
-                self._of[children[a]] = region
-        self._mixed = []
-        self._scanned_children = weakref.WeakSet()
+        self.finder.group()
 
     # -- forward (Rules 2, 3) ------------------------------------------------------------------
 
@@ -206,45 +157,134 @@ class Regions:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return top is not None and getattr(top[0], "__self__", None) is self._owner
 
-    def _pre(self, module: nn.Module, args: tuple):
-        if (getattr(self._local, "frame", None) is not None or not torch.is_grad_enabled()
-                or torch._C._current_graph_task_id() != -1 or not self._innermost_is_lms()):
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        local = self._local
+        frame = getattr(local, "frame", None)
+        if frame is not None:
+            if frame.depth or frame.follows(module):     # inside it, or its chain's next one
+                frame.depth += 1
+                return None
+            self._close(frame, "")          # a walk left the stage before its end (Rule 3)
+        if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+                or not self._innermost_is_lms()):
             return None
-        if module not in self._scanned:
-            self._scan(module)
+        self._saw_grad = True
+        if module not in self.finder.scanned:
+            self.finder.scan(module)
         region = self._of.get(module)
         if region is None or self.phase == "survey":
             return None
+        pending = getattr(local, "pending", None)
+        if pending is not None:             # the last region's inputs stood unchanged till here
+            local.pending = None
+            self._settle(pending)
         if not (region.usable and (region.chosen or self._all)):
             return None
-        frame = Frame(self, region, args, self.hooks)
-        self._local.frame = frame
+        why = region.state.hooks()
+        if why:
+            self.refuse(region, why)
+            return None
+        frame = Frame(self, region, args, kwargs or {}, self.hooks)
+        frame.blind = kwargs is None and not region.chain
+        local.frame = frame
         if self.phase == "timing":
-            self._timings.append([region, *self._mark()])
+            frame.span = [region, *self._mark()]
+            self._timings.append(frame.span)
         frame.hooks.__enter__()
         return None
 
     def _post(self, module: nn.Module, kwargs, output=None):
         if self.phase == "survey":
-            if (isinstance(output, torch.Tensor) and isinstance(kwargs, dict)
-                    and module in self._scanned_children):
-                self._out_bytes[module] = output.untyped_storage().nbytes()
+            if isinstance(output, torch.Tensor) and isinstance(kwargs, dict):
+                self.finder.note_output(module, output)
             return None
         frame = getattr(self._local, "frame", None)
-        if frame is None or frame.region.modules[-1] is not module:
+        if frame is None:
             return None
-        self._local.frame = None
-        if self.phase == "timing":
-            self._end(self._timings[-1])
-        why = ("it raised" if not isinstance(kwargs, dict) else
-               "it was called with keyword arguments" if kwargs else "")
-        frame.close(why)
-        if frame.dropped:
-            self.engine.step.count_recomputed(frame.nbytes)
-            frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
+        if not isinstance(kwargs, dict):    # it raised (Rule 3): closed at once
+            self._close(frame, "it raised")
+        elif frame.depth == 0:              # a module around the stage returned: the walk left
+            self._close(frame, "")
         else:
-            self._kept_calls += 1
+            frame.depth -= 1
+            if frame.depth == 0:
+                frame.pos += 1
+                if frame.blind and kwargs:
+                    self.refuse(frame.region, "its keyword arguments were not seen at its entry")
+                    self._close(frame, "its keyword arguments were not seen")
+                elif not frame.region.chain or frame.pos == len(frame.region.modules):
+                    self._close(frame, "")
         return None
+
+    def _close(self, frame: Frame, keep_why: str) -> None:
+        """NOTE [ Recomputed regions ], Rules 3 and 5: the frame ends; what it saved is dropped
+        now, kept, or (a region's first calls, with inputs its ops did not save) dropped at the
+        next region's entry if those inputs stand unchanged."""
+        local = self._local
+        local.frame = None
+        if frame.span is not None:
+            self._end(frame.span)
+        why = frame.close(keep_why)
+        region = frame.region
+        if why:
+            self.refuse(region, why)
+        if why or keep_why:
+            self._kept_calls += 1
+            return
+        if frame.unsaved and region.copies:
+            frame.copy_unsaved()
+        if frame.unsaved and region.learning > 0:
+            region.learning -= 1
+            pending, local.pending = getattr(local, "pending", None), frame
+            if pending is not None:
+                self._settle(pending)
+            return
+        self._settle(frame)
+
+    def _settle(self, frame: Frame) -> None:
+        if frame.settle():
+            frame.region.copies = True      # Rule 5: from now on its inputs are copied
+            self._kept_calls += 1
+            return
+        self.engine.step.count_recomputed(frame.nbytes)
+        frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
+        with self._lock:
+            self._waiting.add(frame)
+        params.watch(self, parameters=True)
+
+    def leave(self) -> None:
+        """This thread's forward is over (its ``with`` block ends, or a step begins): a frame
+        still open (an interrupt, a walk that stopped) closes and keeps what it saved; one
+        waiting to drop drops (Rule 3)."""
+        local = self._local
+        frame, pending = getattr(local, "frame", None), getattr(local, "pending", None)
+        if frame is not None:
+            self._close(frame, "the forward left it")
+        if pending is not None:
+            local.pending = None
+            self._settle(pending)
+
+    def refuse(self, region: Region, why: str) -> None:
+        """Never recompute ``region`` again, because ``why`` (said once, Rule 6)."""
+        region.usable, region.why = False, why
+        if "blocks" in self._said:          # found after the line of blocks: a line of its own
+            say_once(f"refused {region.name}", f"lmsrt: region {region.name} is not "
+                     f"recomputed: {why}", given=self._said, stacklevel=3)
+
+    def materialize(self, parameters) -> None:
+        """Rerun now the dropped regions, not yet rerun, that read the parameters whose ids are
+        in ``parameters``: they are about to change (params.py calls it before an optimizer
+        step and before ``p.data`` is read or set; NOTE [ Recomputed regions ], Rule 7)."""
+        if not self._waiting or getattr(self._local, "frame", None) is not None:
+            return
+        ids = parameters if isinstance(parameters, (set, frozenset)) else set(parameters)
+        with self._lock:
+            frames = [f for f in self._waiting if f.again is None and f.region.param_ids & ids]
+        for frame in frames:
+            self.recompute(frame)
+
+    def check_rebuilt(self) -> None:
+        """(params.py asks each watcher; a region's rerun is checked as it runs.)"""
 
     def _mark(self) -> list:
         """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA
@@ -265,6 +305,8 @@ class Regions:
 
     def recompute(self, frame: "Frame") -> None:
         """Run ``frame``'s region again (``rerun``), its GPU time taken."""
+        with self._lock:
+            self._waiting.discard(frame)
         timing = self._mark()
         rerun(frame)
         self._end(timing)
@@ -276,13 +318,20 @@ class Regions:
         """The engine's step listener: finish the last step's figures, move to the next phase
         (NOTE [ Region plan ])."""
         self.read_times()                # into the step that ends, before the engine closes it
+        self.leave()
         self._kept_calls = 0
         self.step = step
-        if self.phase == "survey" and step >= 2:
+        # An evaluation (no grad) is no step to find or time regions in.
+        learnt, self._saw_grad = self._saw_grad, False
+        if not learnt and self.phase in ("survey", "timing"):
+            pass
+        elif self.phase == "survey" and step >= 2:
             self._survey_done()
         elif self.phase == "timing":
             self._plan()
         self._timings = []
+        if self.phase not in ("survey", "timing"):
+            self._say_blocks()
 
     def read_times(self) -> None:
         """Add the GPU time of finished recomputes (in order: one stream runs them) to the step
@@ -319,6 +368,8 @@ class Regions:
         """NOTE [ Region plan ]."""
         seen, order = set(), []
         for region, start, end in self._timings:
+            if end is None:              # still running on another thread
+                continue
             if not self.simulated:
                 end.synchronize()
             seconds = (end - start) if self.simulated else start.elapsed_time(end) / 1e3
@@ -354,6 +405,17 @@ class Regions:
             region.chosen = region in chosen
         self.idle = not chosen
 
+    def _found(self) -> List[Region]:
+        """Every region found, in forward order where known."""
+        return list(dict.fromkeys(self.order + list(self._of.values())))
+
+    def _say_blocks(self) -> None:
+        """Once: the blocks found and those refused, with why (Rule 6)."""
+        found = self._found()
+        if not found or "blocks" in self._said:
+            return
+        say_once("blocks", blocks_line(found), given=self._said, stacklevel=5)
+
     def stats(self) -> dict:
         """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
         first); of the step in flight, its ``StepStats``' figures and the calls that kept."""
@@ -363,7 +425,7 @@ class Regions:
                     figures=self.figures and dataclasses.asdict(self.figures),
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
                           for r in self.order],
-                    refused={r.name: r.why for r in self.order if not r.usable},
+                    refused={r.name: r.why for r in self._found() if not r.usable},
                     note=self.note, recomputed=step.recomputed_regions,
                     dropped_bytes=step.recomputed_bytes, recompute_ms=step.recompute_ms,
                     kept_calls=self._kept_calls)

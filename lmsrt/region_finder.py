@@ -1,0 +1,163 @@
+"""The repeated blocks of a model, found from its structure as its modules are first called
+(regions.py, NOTE [ Recomputed regions ], Rule 1), and how they are named when said.
+
+Example::
+
+    finder = BlockFinder(refuse=lambda region, why: None)
+    finder.scan(model)                 # at a module's first call under LMS (a global hook)
+    finder.of.get(model.layers[0])     # -> Region("layers[0]", ...)
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from .region_safety import BlockState
+
+__all__ = ["BlockFinder", "Region", "blocks_line"]
+
+_LEARNING = 2            # a region's first calls whose inputs are watched after it (Rule 5)
+
+
+class Region:
+    """A repeated block (or a stage of a Sequential), its measurements and the plan's choice."""
+
+    __slots__ = ("name", "modules", "chain", "usable", "why", "nbytes", "seconds", "chosen",
+                 "state", "param_ids", "copies", "learning", "__weakref__")
+
+    def __init__(self, name: str, modules: tuple, chain: bool):
+        self.name, self.modules, self.chain = name, modules, chain
+        self.usable, self.why = True, ""
+        self.nbytes, self.seconds = 0, 0.0
+        self.chosen = False
+        self.state: Optional[BlockState] = None    # what it reads besides its arguments
+        self.param_ids: set = set()
+        self.copies = False         # copy inputs its ops did not save (Rule 5)
+        self.learning = _LEARNING   # calls left whose drop waits for the next region's entry
+
+
+class BlockFinder:
+    """Finds regions (Rule 1) in the modules called under LMS; refuses through ``refuse`` those
+    that never could be recomputed (Rule 6)."""
+
+    def __init__(self, refuse: Callable[[Region, str], None]):
+        self.refuse = refuse
+        self.of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # first module ->
+        self.scanned: "weakref.WeakSet" = weakref.WeakSet()
+        self.scanned_children: "weakref.WeakSet" = weakref.WeakSet()   # of mixed Sequentials
+        self.mixed: list = []           # (name, Sequential) of mixed classes, grouped after step 1
+        self.out_bytes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # in the model
+        self.kwargs_of: Optional[int] = None     # the id of the global pre-hook given kwargs
+
+    def note_output(self, module: nn.Module, output: torch.Tensor) -> None:
+        """Step 1: the size of what a child of a mixed Sequential passes on."""
+        if module in self.scanned_children:
+            self.out_bytes[module] = output.untyped_storage().nbytes()
+
+    def scan(self, module: nn.Module) -> None:
+        self.scanned.add(module)
+        prefix = self.names.get(module, "")
+        for name, child in module.named_children():
+            if child not in self.names:            # its name in the model, for what is said
+                self.names[child] = f"{prefix}.{name}" if prefix else name
+        containers = [c for _, c in module.named_children() if isinstance(c, nn.ModuleList)]
+        if isinstance(module, nn.Sequential):
+            containers.append(module)
+        for container in containers:
+            children = list(container)
+            counts = collections.Counter(type(c) for c in children)
+            # Compiled blocks are torch.compile's partitioner's to recompute (Rule 1).
+            repeated = [i for i, c in enumerate(children) if counts[type(c)] > 1
+                        and getattr(c, "_compiled_call_impl", None) is None]
+            if not repeated or any(c in self.of for c in children):
+                continue
+            label = self.names.get(container) or type(container).__name__
+            chain = (isinstance(container, nn.Sequential)
+                     and type(container).forward is nn.Sequential.forward)
+            if chain and len(counts) > 1:
+                self.mixed.append((label, container))
+                self.scanned_children.update(children)
+                continue
+            for i in repeated:
+                if children[i] not in self.of:     # one object listed twice: one region
+                    self.add(Region(f"{label}[{i}]", (children[i],), False))
+
+    def add(self, region: Region) -> None:
+        """Rule 1: ``region`` is found; refused at once where it never could be recomputed
+        (Rule 6)."""
+        first = region.modules[0]
+        self.of[first] = region
+        if self.kwargs_of is not None and not region.chain:
+            # torch calls a pre-hook with kwargs where the module names its id so.
+            first._forward_pre_hooks_with_kwargs[self.kwargs_of] = True
+        named = []
+        for i, m in enumerate(region.modules):
+            for n, sub in m.named_modules():
+                named.append(((f"[{i}]" + (f".{n}" if n else "")) if region.chain else n, sub))
+        region.state = BlockState(named)
+        region.param_ids = region.state.ids()
+        why = region.state.refusal()
+        if why:
+            self.refuse(region, why)
+
+    def group(self) -> None:
+        """Rule 1: stages of the Sequentials of mixed classes, from step 1's output sizes. A
+        stage starts at a module listed once in it (a frame knows its stage by its first
+        module); one whose first module is listed again is refused whole."""
+        for label, container in self.mixed:
+            children = list(container)
+            listed = collections.Counter(id(c) for c in children)
+            if listed[id(children[0])] > 1:
+                region = Region(f"{label}[0:{len(children)}]", tuple(children), True)
+                self.add(region)
+                self.refuse(region, f"its first module ({type(children[0]).__name__}) is "
+                            "listed in it more than once")
+                continue
+            lead = next((type(c) for c in children if any(True for _ in c.parameters())), None)
+            starts = [0]
+            for i, c in enumerate(children):
+                if type(c) is not lead or i == 0:
+                    continue
+                j = i                  # earliest parameter-free child before it, after a stage
+                while (j - 1 > starts[-1] and not any(True for _ in children[j - 1].parameters())):
+                    j -= 1
+                # Cut where the tensor passed on is smallest: after child p - 1, p in [j, i].
+                sizes = {p: self.out_bytes.get(children[p - 1], 0) for p in range(j, i + 1)
+                         if listed[id(children[p])] == 1}
+                if sizes:
+                    starts.append(min(sizes, key=lambda p: (sizes[p], -p)))
+            for a, b in zip(starts, starts[1:] + [len(children)]):
+                self.add(Region(f"{label}[{a}:{b}]", tuple(children[a:b]), True))
+        self.mixed = []
+        self.scanned_children = weakref.WeakSet()
+
+
+def _spans(regions: List[Region]) -> str:
+    """"model.layers[0..23], LlamaDecoderLayer; ..." of regions in forward order."""
+    groups: dict = {}
+    for r in regions:
+        label, _, index = r.name.rpartition("[")
+        kind = "stage" if r.chain else type(r.modules[0]).__name__
+        groups.setdefault((label, kind), []).append(index.rstrip("]"))
+    parts = []
+    for (label, kind), indices in groups.items():
+        nums = [int(i) for i in indices if i.isdigit()]
+        if len(nums) == len(indices) > 2 and nums == list(range(nums[0], nums[0] + len(nums))):
+            indices = [f"{nums[0]}..{nums[-1]}"]
+        parts.append(f"{label}[{','.join(indices)}], {kind}")
+    return "; ".join(parts)
+
+
+
+
+def blocks_line(found: List[Region]) -> str:
+    """What is said once: "lmsrt: 24 repeated blocks (model.layers[0..23], LlamaDecoderLayer);
+    refused: ..." (NOTE [ Recomputed regions ], Rule 6)."""
+    refused = [f"{r.name}: {r.why}" for r in found if not r.usable]
+    return (f"lmsrt: {len(found)} repeated blocks ({_spans(found)})"
+            + (f"; refused: {'; '.join(refused)}" if refused else "; none refused"))

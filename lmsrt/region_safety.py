@@ -1,0 +1,189 @@
+"""Whether a region's rerun can reproduce its forward, and the state a rerun restores
+(regions.py, NOTE [ Recomputed regions ], Rules 6 and 7).
+
+What a block reads besides its arguments must be the same in backward as in forward, or the
+region is refused. Checked once per region (``BlockState``): TorchScript, a ``torch.Generator``
+held by a module. Checked per call, O(modules in the block): user hooks on its modules or
+global ones other than lmsrt's; the versions of its parameters and buffers (batch norm's running
+statistics in training mode apart: the rerun puts them back); Python's and numpy's global
+generators (on a region's first calls only: reading them costs ~10 us). Restored in the rerun:
+the backend flags, ``sdpa_kernel``'s choice, deterministic mode, default dtype and autocast's
+cache (``ambient``), each module's train/eval flag (``BlockState.modes``).
+
+Not seen: a ``torch.Generator`` the block reaches other than as a module attribute, and
+writes that bump no version counter (``.data`` inside forward). Such blocks are not refused.
+
+Example::
+
+    state = BlockState(named_modules)          # once per region
+    why = state.refusal() or state.hooks()     # "" when the region may be recomputed
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from typing import Callable, List, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+__all__ = ["BlockState", "ambient", "restore_ambient", "generator_states", "RANDOM_CHECKS"]
+
+RANDOM_CHECKS = 4      # a region's calls whose Python/numpy generator use is checked
+_NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _flag(name: str) -> Tuple[Callable, Callable]:
+    get, put = getattr(torch._C, f"_get_{name}"), getattr(torch._C, f"_set_{name}")
+    return get, (lambda v: put(*v)) if isinstance(get(), tuple) else put
+
+
+def _ambient_flags() -> List[Tuple[Callable, Callable]]:
+    """(get, set) of the global settings a kernel choice reads, as this torch names them."""
+    flags = []
+    for name in ("mkldnn_enabled", "mkldnn_deterministic", "cudnn_enabled", "cudnn_benchmark",
+                 "cudnn_deterministic", "cudnn_allow_tf32", "cublas_allow_tf32",
+                 "cublas_allow_fp16_reduced_precision_reduction",
+                 "cublas_allow_bf16_reduced_precision_reduction",
+                 "cpu_allow_fp16_reduced_precision_reduction", "float32_matmul_precision",
+                 "sdp_priority_order"):
+        try:
+            flags.append(_flag(name))
+        except (AttributeError, TypeError, RuntimeError):
+            pass
+    for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable"):
+        get = getattr(torch._C, f"_get_{name}_sdp_enabled", None)
+        put = getattr(torch._C, f"_set_sdp_use_{name}", None)
+        if get is not None and put is not None:
+            flags.append((get, put))
+    flags.append((lambda: (torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled()),
+                  lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])))
+    flags.append((torch.get_default_dtype, torch.set_default_dtype))
+    flags.append((torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled))
+    return flags
+
+
+_FLAGS = _ambient_flags()
+
+
+def ambient() -> tuple:
+    """The backend flags, ``sdpa_kernel``'s backends, deterministic mode, default dtype and
+    autocast's cache as they are now (a few C calls)."""
+    return tuple(get() for get, _ in _FLAGS)
+
+
+def restore_ambient(stack: contextlib.ExitStack, values: tuple) -> None:
+    """Set what differs from ``values`` (``ambient()`` of forward) until ``stack`` closes."""
+    for (get, put), value in zip(_FLAGS, values):
+        now = get()
+        if now != value:
+            stack.callback(put, now)
+            put(value)
+
+
+def generator_states() -> tuple:
+    """Python's global generator state, and numpy's position where numpy is imported."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state()[2] if np is not None else None)
+
+
+def _lmsrt_hook(hook) -> bool:
+    return getattr(hook, "__module__", "").startswith("lmsrt.")
+
+
+def _foreign_global_hooks() -> str:
+    for hooks in (_module._global_forward_pre_hooks, _module._global_forward_hooks):
+        for hook in hooks.values():
+            if not _lmsrt_hook(hook):
+                return getattr(hook, "__qualname__", type(hook).__name__)
+    return ""
+
+
+class BlockState:
+    """What one region reads besides its arguments: its modules by name, and the checks."""
+
+    __slots__ = ("named", "calls")
+
+    def __init__(self, named: List[Tuple[str, nn.Module]]):
+        self.named = named          # (qualified name, module) of every module in the region
+        self.calls = 0              # calls checked for Python's and numpy's generators
+
+    def refusal(self) -> str:
+        """Why the region can never be recomputed (checked once), or ""."""
+        for name, m in self.named:
+            if isinstance(m, torch.jit.ScriptModule):
+                return (f"{name or type(m).__name__} is TorchScript, whose interpreter cannot "
+                        "stop a rerun early")
+            for key, value in vars(m).items():
+                if isinstance(value, torch.Generator):
+                    return (f"{name or type(m).__name__}.{key} is a torch.Generator, whose "
+                            "draws a rerun cannot replay")
+        return ""
+
+    def hooks(self) -> str:
+        """Forward hooks that would run again in the rerun (the user's), or ""."""
+        for name, m in self.named:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return (f"{name or type(m).__name__} has forward hooks of its own, which a "
+                        "rerun would call again")
+        foreign = _foreign_global_hooks()
+        return (f"a global module hook ({foreign}) would run again in the rerun" if foreign
+                else "")
+
+    def _tensors(self):
+        for name, m in self.named:
+            norm_stats = (isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+                          and m.track_running_stats)
+            for kind, table in (("parameter", m._parameters), ("buffer", m._buffers)):
+                for key, t in table.items():
+                    if t is not None and not (norm_stats and key in _NORM_STATS):
+                        yield kind, f"{name}.{key}" if name else key, t
+
+    def versions(self) -> list:
+        """The version counters of its parameters and buffers (batch norm's running
+        statistics in training mode apart: the rerun puts them back)."""
+        return [t._version for _, _, t in self._tensors()]
+
+    def moved(self, before: list, now: list) -> str:
+        """The first parameter or buffer whose version is not in ``now`` what it was in
+        ``before`` (``versions()`` both), said as "buffer 'u'", or ""."""
+        if now == before:
+            return ""
+        for (kind, name, _), was, is_ in zip(self._tensors(), before, now):
+            if was != is_:
+                return f"{kind} '{name}'"
+        return "parameters and buffers"
+
+    def ids(self) -> set:
+        """ids of its parameters (what ``p.data`` and optimizer steps name)."""
+        return {id(t) for kind, _, t in self._tensors() if kind == "parameter"}
+
+    def generators(self):
+        """Python's and numpy's global generator states on a region's first calls, else None."""
+        if self.calls >= RANDOM_CHECKS:
+            return None
+        self.calls += 1
+        return generator_states()
+
+    @staticmethod
+    def drew(before, after) -> str:
+        """Which global generator the block drew from between ``generators()`` calls, or ""."""
+        if before is None or after is None:
+            return ""
+        return ("its forward drew from Python's random module, which a rerun would draw from "
+                "again" if before[0] != after[0] else
+                "its forward drew from numpy's global generator, which a rerun would draw from "
+                "again" if before[1] != after[1] else "")
+
+    def modes(self) -> list:
+        return [m.training for _, m in self.named]
+
+    def restore_modes(self, stack: contextlib.ExitStack, modes: list) -> None:
+        """Each module's train/eval flag as in forward, until ``stack`` closes."""
+        for (_, m), training in zip(self.named, modes):
+            if m.training != training:
+                stack.callback(setattr, m, "training", m.training)
+                m.training = training
