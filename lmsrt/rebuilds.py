@@ -70,20 +70,25 @@ class Rebuilds:
         return Recorder(self.recipes, self.entry_of, lambda: self.retaining, lambda: self.noting)
 
     def follow_noting(self) -> None:
-        """Put this thread's recorder to sleep (off the mode stack) while ``noting`` is off, and
-        wake it when it is on again. Asleep it costs nothing: a mode on the stack, even one that
-        passes every op straight on, runs each kernel of forward, backward and the optimizer
-        through Python (measured: a Trainer step under ``lmsrt run`` 0.34-0.45 s against 0.25
-        with it off the stack). Only the top of the stack is taken: a mode the script entered
-        after it stays where it is, and the recorder with it."""
-        thread = threading.get_ident()
-        if self.noting:
-            recorder = self._asleep.pop(thread, None)
-            if recorder is not None:
-                _push_mode(recorder)
+        """As a step's forward begins: wake this thread's recorder (back on its mode stack) if
+        ``noting``, else put it to sleep (``sleep``)."""
+        if not self.noting:
+            self.sleep()
             return
-        top = _get_current_dispatch_mode()
-        if thread not in self._asleep and self._own(top):
+        recorder = self._asleep.pop(threading.get_ident(), None)
+        if recorder is not None:
+            _push_mode(recorder)
+
+    def sleep(self) -> None:
+        """Take this thread's recorder off its mode stack until the next forward that notes
+        (``follow_noting``): as backward begins, and for steps that note nothing. On the stack,
+        even a mode that passes every op straight on runs each kernel through Python, and
+        autograd carries the stack into backward's threads (measured under ``lmsrt run``, one
+        block around the whole loop: a Trainer step 0.34-0.45 s against 0.25 with it off).
+        Only the top of the stack is taken: a mode the script entered after it stays where it
+        is, and the recorder with it."""
+        thread = threading.get_ident()
+        if thread not in self._asleep and self._own(_get_current_dispatch_mode()):
             self._asleep[thread] = _pop_mode()
 
     def leave(self, recorder: Recorder) -> None:

@@ -16,7 +16,8 @@ lmsrt changes six things of torch's, each once per process, and nothing else:
   4. ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and ``torch.autograd.grad``
      are wrapped when lmsrt is imported (``annotate_backward_ooms``): an out-of-memory error
      raised in backward while an LMS holds saved tensors carries lmsrt's context, as one raised
-     in forward does. The same exception goes on.
+     in forward does. The same exception goes on. A live engine's rebuild recorder also leaves
+     the thread's mode stack as backward begins, until the next forward (``Rebuilds.sleep``).
   5. ``torch.cuda.graph``'s ``__enter__``/``__exit__`` are wrapped when lmsrt is imported
      (``step_aside_in_capture``): lmsrt's hooks leave the stack while a CUDA graph is captured
      (also for ``make_graphed_callables`` and inductor's CUDA graphs).
@@ -150,7 +151,8 @@ def annotate_backward_ooms(engines) -> None:
     error raised in backward while an LMS holds saved tensors carries lmsrt's context, as one
     raised in forward does: autograd's own allocations (a gradient, a kernel's workspace) fail
     there, not in lmsrt's code. ``engines``: the live swap engines (a weak set the caller keeps).
-    The same exception goes on; nothing else changes."""
+    The same exception goes on. Each engine's rebuild recorder also leaves this thread's mode
+    stack as backward begins (``Rebuilds.sleep``), until the next forward."""
     global _torch_backward
     if _torch_backward is not None:
         return
@@ -159,6 +161,9 @@ def annotate_backward_ooms(engines) -> None:
     def wrap(original):
         @functools.wraps(original)
         def call(*args, **kwargs):
+            for engine in list(engines):
+                if not engine.closed and engine.rebuilds is not None:
+                    engine.rebuilds.sleep()     # backward notes no recipes (rebuilds.py)
             try:
                 return original(*args, **kwargs)
             except torch.OutOfMemoryError as exc:

@@ -583,8 +583,8 @@ def test_a_plan_that_offloads_nothing_notes_no_recipes_until_it_offloads_again()
 
 
 def test_under_one_block_around_the_loop_the_recorder_sleeps_while_nothing_is_noted():
-    """As ``lmsrt run`` enters LMS once around the whole script: in planned steps that keep
-    everything the recorder is off the thread's mode stack (on it, every kernel of forward,
+    """As ``lmsrt run`` enters LMS once around the whole script: in backward, and in planned
+    steps that keep everything, the recorder is off the thread's mode stack (on it, every kernel of forward,
     backward and the optimizer ran through Python: a Trainer step 1.4-1.8x slower), and back
     on it, noting recipes, once a larger batch must move; the block's exit leaves the stack as
     it found it. Gradients equal the run without LMS throughout."""
@@ -594,12 +594,13 @@ def test_under_one_block_around_the_loop_the_recorder_sleeps_while_nothing_is_no
     ref_small, ref_big = _train(model, small), _train(model, big)
     lms = lmsrt.LMS(device=SimulatedDevice(capacity=20 << 20, strict=True), lms=1,
                     lms_frac="auto")
-    on_stack = []
+    on_stack, in_backward = [], []
 
     def step(x):
         model.zero_grad(set_to_none=True)
         out = model(x)
         on_stack.append(isinstance(_get_current_dispatch_mode(), Recorder))
+        out.register_hook(lambda g: in_backward.append(_get_current_dispatch_mode()))
         out.float().square().mean().backward()
         return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -610,6 +611,8 @@ def test_under_one_block_around_the_loop_the_recorder_sleeps_while_nothing_is_no
             assert all(torch.equal(a, b) for a, b in zip(ref_big[1], step(big)))
     assert on_stack[0] and not any(on_stack[2:4]), on_stack
     assert on_stack[-1] and _steps(lms)[-1]["recipe_bytes"] > 0, (on_stack, _steps(lms)[-1])
+    # Backward (and what follows it until the next forward) runs without it.
+    assert in_backward == [None] * 10, in_backward
     assert _get_current_dispatch_mode() is None
     lms.close()
 
