@@ -7,7 +7,7 @@ gpt2_script.py, ...), with ``build(args)``, ``train(args, lms=None)`` and ``main
 and writes ``--json``:
 
     {"client", "argv", "outcome": "ok" | "oom", "message", "oom_step", "step_times_s",
-     "losses", "peak_bytes", "peak_gib", "device", "torch", "lmsrt_active"}
+     "losses", "peak_bytes", "peak_gib", "device", "torch", "versions", "lmsrt_active"}
 
 and exits 3 after an out-of-memory error (the matrix goes on with the next run).
 """
@@ -32,6 +32,7 @@ GiB = 2**30
 OOM_EXIT = 3
 # Set by `lmsrt run` in the process it runs a script in (lmsrt/launch/session.py).
 ENV_ACTIVE = "LMSRT_ACTIVE"
+LIBRARIES = ("torch", "transformers", "accelerate", "lightning", "timm", "torchvision", "lmsrt")
 
 
 def add_flags(ap: argparse.ArgumentParser, steps: int = 40) -> argparse.ArgumentParser:
@@ -150,6 +151,8 @@ def finish(args, run: Callable[[StepTimer], object], client: str) -> None:
                       oom_step=timer.steps + 1)
         status = OOM_EXIT
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    result["versions"] = {name: getattr(sys.modules[name], "__version__", None) for name in
+                          LIBRARIES if name in sys.modules}
     result.update(step_times_s=timer.times, losses=timer.losses, steps_done=timer.steps,
                   peak_bytes=peak, peak_gib=peak / GiB)
     shown = f"{timer.steps} steps"
