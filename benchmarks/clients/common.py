@@ -48,8 +48,10 @@ def add_flags(ap: argparse.ArgumentParser, steps: int = 40) -> argparse.Argument
 
 
 def device() -> torch.device:
-    """The GPU if there is one, else the CPU (lmsrt's simulated device stands on the CPU)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The GPU if there is one, else the CPU; the CPU also where lmsrt's simulated device is
+    asked for (``LMSRT_DEVICE=sim``: CPU tensors stand in for the GPU's, as in the tests)."""
+    sim = os.environ.get("LMSRT_DEVICE") == "sim"
+    return torch.device("cuda" if torch.cuda.is_available() and not sim else "cpu")
 
 
 def cap_gpu(limit_gib: Optional[float]) -> None:
@@ -74,11 +76,11 @@ def maybe(lms) -> contextlib.AbstractContextManager:
 
 def image_batches(batch: int, size: int, classes: int, steps: int, seed: int):
     """What an image DataLoader with pin_memory=True yields: (images, labels) in pinned host
-    memory (on a GPU machine), two random batches in turn, ``steps`` of them."""
+    memory (when training on a GPU), two random batches in turn, ``steps`` of them."""
     g = torch.Generator().manual_seed(seed)
     pool = [(torch.randn(batch, 3, size, size, generator=g),
              torch.randint(classes, (batch,), generator=g)) for _ in range(2)]
-    if torch.cuda.is_available():
+    if device().type == "cuda":
         pool = [(x.pin_memory(), y.pin_memory()) for x, y in pool]
     for i in range(steps):
         yield pool[i % 2]
@@ -97,7 +99,7 @@ class StepTimer:
 
     @staticmethod
     def _now() -> float:
-        if torch.cuda.is_available():
+        if device().type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 

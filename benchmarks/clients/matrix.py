@@ -329,6 +329,12 @@ def main(argv=None) -> None:
             print(f"run {k} of {len(runs)}: {run.name}: {shlex.join(cmd)}")
         return
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    if (any(run.method.startswith("lmsrt") for run in runs)
+            and os.environ.get("LMSRT_DEVICE") != "sim"):
+        # lmsrt's C++ copy path is built once per torch version (on a GPU, by the first LMS):
+        # ahead, not in a timed step. The simulated device does not use it.
+        subprocess.run([sys.executable, "-m", "lmsrt", "build"], cwd=ROOT, check=False,
+                       timeout=args.timeout)
     rows: List[dict] = []
     for k, run in enumerate(runs, 1):
         if run.fraction is not None and run.cap is None:
