@@ -27,6 +27,13 @@ NEEDS = {"hf_trainer": ("transformers", "accelerate"), "gpt2_script": (),
 TINY = ["--tiny", "--steps", "3"]
 
 
+@pytest.fixture(autouse=True)
+def _simulated_device(monkeypatch):
+    """The clients train on the CPU, as lmsrt's simulated device wants, also on a GPU machine
+    (benchmarks/clients/common.py: ``device()``)."""
+    monkeypatch.setenv("LMSRT_DEVICE", "sim")
+
+
 def _client(name: str):
     """benchmarks/clients/<name>.py as a module (its imports of common and nanogpt found beside
     it), after skipping where a library it needs is missing."""
@@ -206,7 +213,7 @@ def test_a_peer_that_fits_is_taken_from_its_uncapped_run():
 def test_the_matrix_runs_the_hf_client_under_lmsrt_run_unchanged(tmp_path):
     """The one test that starts processes: the matrix runs `lmsrt run` on the tiny HF client."""
     _client("hf_trainer")
-    env = dict(os.environ, LMSRT_DEVICE="sim")
+    env = dict(os.environ)
     env.pop("LMSRT_ACTIVE", None)
     out = _matrix("--clients", "hf", "--methods", "lmsrt", "--caps", "14", "--steps", "3",
                   "--script-args=--tiny", "--out", str(tmp_path), env=env)

@@ -7,7 +7,7 @@ gpt2_script.py, ...), with ``build(args)``, ``train(args, lms=None)`` and ``main
 and writes ``--json``:
 
     {"client", "argv", "outcome": "ok" | "oom", "message", "oom_step", "step_times_s",
-     "losses", "peak_bytes", "peak_gib", "device", "torch", "lmsrt_active"}
+     "losses", "peak_bytes", "peak_gib", "device", "torch", "versions", "lmsrt_active"}
 
 and exits 3 after an out-of-memory error (the matrix goes on with the next run).
 """
@@ -32,6 +32,7 @@ GiB = 2**30
 OOM_EXIT = 3
 # Set by `lmsrt run` in the process it runs a script in (lmsrt/launch/session.py).
 ENV_ACTIVE = "LMSRT_ACTIVE"
+LIBRARIES = ("torch", "transformers", "accelerate", "lightning", "timm", "torchvision", "lmsrt")
 
 
 def add_flags(ap: argparse.ArgumentParser, steps: int = 40) -> argparse.ArgumentParser:
@@ -47,8 +48,10 @@ def add_flags(ap: argparse.ArgumentParser, steps: int = 40) -> argparse.Argument
 
 
 def device() -> torch.device:
-    """The GPU if there is one, else the CPU (lmsrt's simulated device stands on the CPU)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The GPU if there is one, else the CPU; the CPU also where lmsrt's simulated device is
+    asked for (``LMSRT_DEVICE=sim``: CPU tensors stand in for the GPU's, as in the tests)."""
+    sim = os.environ.get("LMSRT_DEVICE") == "sim"
+    return torch.device("cuda" if torch.cuda.is_available() and not sim else "cpu")
 
 
 def cap_gpu(limit_gib: Optional[float]) -> None:
@@ -73,11 +76,11 @@ def maybe(lms) -> contextlib.AbstractContextManager:
 
 def image_batches(batch: int, size: int, classes: int, steps: int, seed: int):
     """What an image DataLoader with pin_memory=True yields: (images, labels) in pinned host
-    memory (on a GPU machine), two random batches in turn, ``steps`` of them."""
+    memory (when training on a GPU), two random batches in turn, ``steps`` of them."""
     g = torch.Generator().manual_seed(seed)
     pool = [(torch.randn(batch, 3, size, size, generator=g),
              torch.randint(classes, (batch,), generator=g)) for _ in range(2)]
-    if torch.cuda.is_available():
+    if device().type == "cuda":
         pool = [(x.pin_memory(), y.pin_memory()) for x, y in pool]
     for i in range(steps):
         yield pool[i % 2]
@@ -96,7 +99,7 @@ class StepTimer:
 
     @staticmethod
     def _now() -> float:
-        if torch.cuda.is_available():
+        if device().type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -150,6 +153,8 @@ def finish(args, run: Callable[[StepTimer], object], client: str) -> None:
                       oom_step=timer.steps + 1)
         status = OOM_EXIT
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    result["versions"] = {name: getattr(sys.modules[name], "__version__", None) for name in
+                          LIBRARIES if name in sys.modules}
     result.update(step_times_s=timer.times, losses=timer.losses, steps_done=timer.steps,
                   peak_bytes=peak, peak_gib=peak / GiB)
     shown = f"{timer.steps} steps"

@@ -14,7 +14,7 @@ import argparse
 import tempfile
 
 import torch
-from common import add_flags, cap_gpu, finish, maybe, seed_all
+from common import add_flags, cap_gpu, device, finish, maybe, seed_all
 from torch.utils.data import Dataset
 
 
@@ -65,14 +65,15 @@ def build(args, timer=None):
                 timer.losses[-1] = float(logs["loss"])
 
     model = build_model(args)
+    on_gpu = device().type == "cuda"
     # transformers 5.2x calls it activation_checkpointing; gradient_checkpointing before.
     saver = ("activation_checkpointing" if "activation_checkpointing"
              in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing")
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf_trainer_"),
         per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=3e-4,
-        bf16=not args.tiny, optim="adamw_torch_fused" if torch.cuda.is_available() else
-        "adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[],
+        bf16=not args.tiny, optim="adamw_torch_fused" if on_gpu else "adamw_torch",
+        use_cpu=not on_gpu, logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[],
         disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
         **{saver: args.gradient_checkpointing})
     data = RandomTokens(args.steps * args.batch, args.seq, model.config.vocab_size, args.seed)

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from common import add_flags, cap_gpu, finish, maybe
+from common import add_flags, cap_gpu, device, finish, maybe
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
@@ -75,7 +75,7 @@ def make_module(args):
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1,
-                                     fused=torch.cuda.is_available())
+                                     fused=device().type == "cuda")
 
     return LitGPT()
 
@@ -93,15 +93,15 @@ def build(args, timer=None):
 
     L.seed_everything(args.seed, verbose=False)
     module = make_module(args)
-    vocab = module.vocab
+    vocab, on_gpu = module.vocab, device().type == "cuda"
     train_data = DataLoader(RandomTokens(args.steps * args.batch, args.seq, vocab, args.seed),
-                            batch_size=args.batch, pin_memory=torch.cuda.is_available())
+                            batch_size=args.batch, pin_memory=on_gpu)
     val_data = DataLoader(RandomTokens(2 * args.batch, args.seq, vocab, args.seed + 1),
-                          batch_size=args.batch, pin_memory=torch.cuda.is_available())
+                          batch_size=args.batch, pin_memory=on_gpu)
     trainer = L.Trainer(max_steps=args.steps, precision=args.precision, num_sanity_val_steps=2,
                         limit_val_batches=2, gradient_clip_val=1.0, enable_checkpointing=False,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="auto", devices=1,
+                        accelerator="gpu" if on_gpu else "cpu", devices=1,
                         callbacks=[StepTimes()] if timer is not None else [])
     return trainer, module, train_data, val_data
 

@@ -213,7 +213,7 @@ def execute(args, run: Run) -> dict:
         times = data["step_times_s"]
         row.update(outcome=data["outcome"], message=data["message"], oom_step=data["oom_step"],
                    device=data["device"], torch=data["torch"], steps=data["steps_done"],
-                   lmsrt_active=data["lmsrt_active"],
+                   lmsrt_active=data["lmsrt_active"], versions=data.get("versions"),
                    peak_gib=data["peak_gib"], step_times_s=times, losses=data["losses"],
                    settled_s=settled(times), first30=first_cost(times))
         if row["exit"] not in (0, 3):
@@ -278,6 +278,19 @@ def table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def notes(rows: List[dict]) -> str:
+    """One line per lmsrt row: what lmsrt's regions did, and failures' messages."""
+    lines = []
+    for r in rows:
+        cap = "no cap" if r["cap_gib"] is None else f"{r['cap_gib']:g} GiB"
+        where = f"{r['client']} {r['method']} at {cap}"
+        if r.get("regions_note"):
+            lines.append(f"- {where}: regions: {r['regions_note']}")
+        if r["outcome"] != "ok" and r.get("message"):
+            lines.append(f"- {where}: {r['outcome']}: {r['message']}")
+    return "\n".join(lines)
+
+
 def _num(x, digits: int, unit: str = "") -> str:
     return "" if x is None else f"{x:.{digits}f}{unit}"
 
@@ -316,6 +329,12 @@ def main(argv=None) -> None:
             print(f"run {k} of {len(runs)}: {run.name}: {shlex.join(cmd)}")
         return
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    if (any(run.method.startswith("lmsrt") for run in runs)
+            and os.environ.get("LMSRT_DEVICE") != "sim"):
+        # lmsrt's C++ copy path is built once per torch version (on a GPU, by the first LMS):
+        # ahead, not in a timed step. The simulated device does not use it.
+        subprocess.run([sys.executable, "-m", "lmsrt", "build"], cwd=ROOT, check=False,
+                       timeout=args.timeout)
     rows: List[dict] = []
     for k, run in enumerate(runs, 1):
         if run.fraction is not None and run.cap is None:
@@ -345,17 +364,19 @@ def main(argv=None) -> None:
     ratios(rows)
     text = table(rows)
     first = next((r for r in rows if r.get("device")), {})
-    head = {"gpu": first.get("device"), "torch": first.get("torch"),
+    versions = {k: v for r in rows for k, v in (r.get("versions") or {}).items()}
+    head = {"gpu": first.get("device"), "torch": first.get("torch"), "versions": versions,
             "lmsrt": next((r["lmsrt_version"] for r in rows if r.get("lmsrt_version")), None),
             "date": datetime.date.today().isoformat(), "steps": args.steps,
             "command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
     print(f"\n{head['gpu']}, torch {head['torch']}, {head['date']}, {args.steps} steps\n")
     print(text)
+    print("\n" + notes(rows))
     with open(os.path.join(args.out, "clients.json"), "w") as f:
         json.dump({**head, "rows": rows, "table": text}, f, indent=1)
     with open(os.path.join(args.out, "clients.md"), "w") as f:
         f.write(f"# Client matrix\n\n{head['gpu']}, torch {head['torch']}, {head['date']}; "
-                f"`{head['command']}`\n\n" + text + "\n")
+                f"`{head['command']}`\n\n" + text + "\n\n" + notes(rows) + "\n")
     print(f"\nwrote {args.out}/clients.json and clients.md")
 
 

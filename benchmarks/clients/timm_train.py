@@ -76,7 +76,7 @@ def parse(argv=None):
                     help="model.set_grad_checkpointing() (the peer)")
     args = ap.parse_args(argv)
     args.batch = args.batch or (4 if args.tiny else 256)
-    args.amp = args.amp and not args.tiny and torch.cuda.is_available()
+    args.amp = args.amp and not args.tiny and device().type == "cuda"
     return args
 
 

@@ -90,7 +90,7 @@ def parse(argv=None):
                     help="torch.utils.checkpoint per residual block (the peer)")
     args = ap.parse_args(argv)
     args.batch = args.batch or (4 if args.tiny else 256)
-    args.amp = args.amp and not args.tiny and torch.cuda.is_available()
+    args.amp = args.amp and not args.tiny and device().type == "cuda"
     return args
 
 
