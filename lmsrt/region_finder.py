@@ -61,11 +61,7 @@ class BlockFinder:
 
     def scan(self, module: nn.Module) -> None:
         self.scanned.add(module)
-        prefix = self.names.get(module, "")
-        for name, child in module.named_children():
-            if child not in self.names:            # its name in the model, for what is said
-                self.names[child] = f"{prefix}.{name}" if prefix else name
-        containers = [c for _, c in module.named_children() if isinstance(c, nn.ModuleList)]
+        containers = self._lists_in(module)
         if isinstance(module, nn.Sequential):
             containers.append(module)
         for container in containers:
@@ -86,6 +82,20 @@ class BlockFinder:
             for i in repeated:
                 if children[i] not in self.of:     # one object listed twice: one region
                     self.add(Region(f"{label}[{i}]", (children[i],), False))
+
+    def _lists_in(self, module: nn.Module) -> list:
+        """The ModuleLists among ``module``'s children, and inside ModuleDicts among them, which
+        are never called themselves (nanoGPT's ``transformer.h``); each child named as in the
+        model, for what is said."""
+        prefix, lists = self.names.get(module, ""), []
+        for name, child in module.named_children():
+            if child not in self.names:
+                self.names[child] = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.ModuleList):
+                lists.append(child)
+            elif isinstance(child, nn.ModuleDict):
+                lists += self._lists_in(child)
+        return lists
 
     def add(self, region: Region) -> None:
         """Rule 1: ``region`` is found; refused at once where it never could be recomputed

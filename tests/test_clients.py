@@ -107,19 +107,12 @@ def test_each_client_is_exact_when_everything_moves(name, extra):
     _check(name, TINY + extra, forced=True)
 
 
-# Blocks lmsrt should recompute when made to, and why it does not yet where it does not.
-KWARGS = ("lmsrt/regions.py refuses a block called with keyword arguments (Rule 3); region "
-          "recompute of such calls is being reworked")
+# Blocks lmsrt recomputes when made to: decoder layers called with keyword arguments (hf,
+# lightning), nanoGPT's blocks in a ModuleList inside a ModuleDict that is never called (gpt2).
 REGIONS = [
-    pytest.param("hf_trainer", [], id="hf", marks=pytest.mark.xfail(
-        reason="LlamaDecoderLayer: " + KWARGS, strict=False)),
-    pytest.param("lightning_trainer", [], id="lightning", marks=pytest.mark.xfail(
-        reason="nn.TransformerEncoderLayer(x, src_mask=..., is_causal=True): " + KWARGS,
-        strict=False)),
-    pytest.param("gpt2_script", ["--eval-interval", "0"], id="gpt2", marks=pytest.mark.xfail(
-        reason="nanoGPT keeps its blocks in a ModuleList inside an nn.ModuleDict "
-               "(model.transformer.h); regions.py looks for ModuleLists only among the children "
-               "of a module that is called, and a ModuleDict is never called", strict=False)),
+    pytest.param("hf_trainer", [], id="hf"),
+    pytest.param("lightning_trainer", [], id="lightning"),
+    pytest.param("gpt2_script", ["--eval-interval", "0"], id="gpt2"),
     pytest.param("tv_reference", [], id="tv"),
     pytest.param("timm_train", [], id="timm"),
 ]

@@ -584,10 +584,10 @@ def test_a_plan_that_offloads_nothing_notes_no_recipes_until_it_offloads_again()
 
 def test_under_one_block_around_the_loop_the_recorder_sleeps_while_nothing_is_noted():
     """As ``lmsrt run`` enters LMS once around the whole script: in backward, and in planned
-    steps that keep everything, the recorder is off the thread's mode stack (on it, every kernel of forward,
-    backward and the optimizer ran through Python: a Trainer step 1.4-1.8x slower), and back
-    on it, noting recipes, once a larger batch must move; the block's exit leaves the stack as
-    it found it. Gradients equal the run without LMS throughout."""
+    steps that keep everything, the recorder is off the thread's mode stack (on it, every
+    kernel of forward, backward and the optimizer ran through Python: a Trainer step 1.4-1.8x
+    slower), and back on it, noting recipes, once a larger batch must move; the block's exit
+    leaves the stack as it found it. Gradients equal the run without LMS throughout."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[Block(64, 4) for _ in range(8)])
     small, big = torch.randn(2, 64, 64), torch.randn(8, 64, 64)
