@@ -298,8 +298,9 @@ class Recorder(TorchDispatchMode):
     def __init__(self, recipes: Optional[RecipeTable] = None,
                  entry_of: Callable[[torch.Tensor], object] = lambda t: None,
                  retaining: Callable[[], bool] = lambda: False,
-                 noting: Callable[[], bool] = lambda: True):
+                 noting: Callable[[], bool] = lambda: True, dispatched: Optional[list] = None):
         super().__init__()
+        self._dispatched = [0] if dispatched is None else dispatched   # ops passed on, counted
         self._recipes = RecipeTable() if recipes is None else recipes
         self._entry_of = entry_of
         self._retaining = retaining   # whether new recipes retain their inputs (``retain_inputs``)
@@ -312,6 +313,7 @@ class Recorder(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._dispatched[0] += 1
         kwargs = kwargs or {}
         op = REBUILDABLE.get(func)
         # Not in backward, nor where autograd saves nothing (no_grad, inference mode, whose

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from .rebuild import Recipe, RecipeTable, Recorder, _Input, _view
+from .say import say_once
 
 __all__ = ["Rebuilds", "sample_words"]
 
@@ -35,6 +36,13 @@ _COPY_FIXED_S = 25e-6
 # on that one reading, the run moved 3 GiB more a step, 30% slower. So a signature is refused for
 # speed only when the fastest of its first _SAMPLES timings is slower than its copies.
 _SAMPLES = 3
+# While the recorder is on the thread's mode stack each op of forward, whatever its size, runs
+# through Python: measured under a Trainer on an H200's host, ~75 us an op beside the op's own
+# dispatch (4,400 ops a forward of a 24-layer Llama, 0.28 s a step; the step took 0.45 s where
+# the copies that its 2.2 GiB of rebuilds saved would take ~0.08). A planned step whose ops cost
+# more this way than the copies its rebuilds saved stops noting recipes for the run.
+_DISPATCH_S = 50e-6
+_MATERIAL_S = 0.01     # and only where that cost is more than this a step
 
 
 class Rebuilds:
@@ -64,10 +72,17 @@ class Rebuilds:
         self.retaining = False                   # new recipes retain their inputs (the engine sets)
         self.noting = True                       # recorders note recipes (the engine sets)
         self._asleep: Dict[int, Recorder] = {}   # thread -> its recorder, off its mode stack
+        self.dispatched = [0]                    # ops the recorders passed on, this step
+        # Seconds an op costs under a recorder (0 on the simulated device, whose copies cost no
+        # step time); ``worthwhile`` goes False for the run where that outweighs the copies
+        # saved (``judge_recorder``).
+        self.dispatch_s = 0.0 if device.kind == "sim" else _DISPATCH_S
+        self.worthwhile = True
 
     def recorder(self) -> Recorder:
         """A recorder for one thread, writing this table."""
-        return Recorder(self.recipes, self.entry_of, lambda: self.retaining, lambda: self.noting)
+        return Recorder(self.recipes, self.entry_of, lambda: self.retaining, lambda: self.noting,
+                        self.dispatched)
 
     def follow_noting(self) -> None:
         """As a step's forward begins: wake this thread's recorder (back on its mode stack) if
@@ -218,6 +233,25 @@ class Rebuilds:
             self._mismatched = set()
         return ms, made, sorted(mismatched)
 
+
+    def judge_recorder(self, rebuilt_bytes: int, rebuilt_tensors: int) -> bool:
+        """After a planned step that rebuilt ``rebuilt_bytes``: whether noting recipes is still
+        worth its cost in forward (``_DISPATCH_S`` an op) against the two copies of each rebuilt
+        storage it saved; once not, never again in this run (said once)."""
+        ops, self.dispatched[0] = self.dispatched[0], 0
+        if not self.worthwhile or not rebuilt_bytes:
+            return self.worthwhile
+        cost = ops * self.dispatch_s
+        saved = 2 * (rebuilt_tensors * _COPY_FIXED_S + rebuilt_bytes / _LINK_BYTES_PER_S)
+        if cost > max(saved, _MATERIAL_S):
+            self.worthwhile = False
+            say_once("recorder-cost",
+                     f"lmsrt: rebuilding saved tensors costs more than it saves here: {ops} ops "
+                     f"a forward pass through the rebuild recorder (~{cost * 1e3:.0f} ms of "
+                     f"Python) against ~{saved * 1e3:.0f} ms of copies for the "
+                     f"{rebuilt_bytes / 2**30:.2f} GiB it rebuilds; those tensors are moved or "
+                     "kept from the next step on (said once).")
+        return self.worthwhile
 
     def refusals(self) -> Dict[str, str]:
         """Why each op is not rebuilt, by op name (a signature's first item is its op)."""

@@ -617,6 +617,24 @@ def test_under_one_block_around_the_loop_the_recorder_sleeps_while_nothing_is_no
     lms.close()
 
 
+def test_rebuilding_stops_for_the_run_where_the_recorder_costs_more_than_it_saves():
+    """Each op of forward passes through the recorder while it notes recipes: where that costs
+    more than the copies its rebuilds save (made so here by the cost an op is taken to have),
+    the next steps note nothing, rebuild nothing and move those storages instead, exactly; it
+    is said once."""
+    model, x, ref, lms = _setup(lambda: torch.nn.Sequential(*[Block(64, 4) for _ in range(4)]),
+                                (4, 32, 64))
+    lms._engine.rebuilds.dispatch_s = 1.0
+    with pytest.warns(RuntimeWarning, match="rebuilding saved tensors costs more"):
+        for _ in range(5):
+            assert_same(ref, _train(model, x, lms=lms))
+    steps = _steps(lms)
+    assert steps[1]["rebuilt_bytes"] > 0, steps[1]
+    assert all(s["recipe_bytes"] == s["rebuilt_bytes"] == 0 for s in steps[3:]), steps[3:]
+    assert steps[-1]["out_bytes"] >= steps[1]["out_bytes"] + steps[1]["recipe_bytes"] // 2
+    lms.close()
+
+
 # -- what the engine must not rebuild, and what must not break -------------------------------
 
 class _ScaledInPlace(torch.nn.Module):

@@ -121,8 +121,8 @@ class StepBoundaries:
                 # the op's dispatch through Python and objects for the collector: docs/design.md,
                 # "Measurements behind the engine's rules"). Should it swap after all, it
                 # copies; the step after notes recipes again.
-                self.rebuilds.noting = not (self.plan.planned and self.plan.target == 0
-                                            and not self._swapped_last)
+                self.rebuilds.noting = self.rebuilds.worthwhile and not (
+                    self.plan.planned and self.plan.target == 0 and not self._swapped_last)
                 self.rebuilds.follow_noting()
             self.host.new_step()
 
@@ -209,6 +209,9 @@ class StepBoundaries:
         s.rebuild_ms, s.rebuild_checks, mismatched = self.rebuilds.finish_step()
         if mismatched:
             self.diagnostics.rebuild_mismatch(mismatched)
+        if not self.rebuilds.judge_recorder(s.rebuilt_bytes if self.plan.planned else 0,
+                                            s.rebuilt_tensors):
+            return set()
         trusted = self.rebuilds.trusted
         return {i for i, sig in self.state.sigs.items() if sig in trusted}
 
