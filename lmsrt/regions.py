@@ -297,6 +297,7 @@ class Regions:
     def _settle(self, frame: Frame) -> None:
         if frame.settle():
             frame.region.copies = True      # Rule 5: from now on its inputs are copied
+        if not frame.dropped:
             self._kept_calls += 1
             return
         self.engine.step.count_recomputed(frame.nbytes)

@@ -61,10 +61,15 @@ def _exact(kind, make, x, steps=4, **kw) -> lmsrt.LMS:
     model = make().to(dev)
     model.load_state_dict(plain_model.state_dict())
     lms = _lms(kind)
-    plain = _train(plain_model, x.to(dev), steps, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        under = _train(model, x.to(dev), steps, lms, **kw)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)        # bit-exact comparisons on CUDA
+    try:
+        plain = _train(plain_model, x.to(dev), steps, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            under = _train(model, x.to(dev), steps, lms, **kw)
+    finally:
+        torch.use_deterministic_algorithms(was)
     _same(plain, under)
     return lms
 
