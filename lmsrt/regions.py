@@ -157,7 +157,8 @@ class Regions:
         self._starts: dict = {}         # step -> its start mark, while steps are compared
         self._check_at = 0
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
-        self.finder = BlockFinder(self.refuse)
+        refuse = weakref.WeakMethod(self.refuse)        # (no cycle: a dropped LMS goes at once)
+        self.finder = BlockFinder(lambda region, why: refuse()(region, why))
         self._of = self.finder.of       # a region's first module -> the region
         self.order: List[Region] = []  # regions in forward order, as the timing step ran them
         self.figures: Optional[StepFigures] = None   # what the plan was made from
@@ -338,8 +339,7 @@ class Regions:
             self.recompute(frame)
 
     def check_rebuilt(self) -> None:
-        """(params.py asks each watcher; a region's rerun is checked as it runs.)"""
-
+        """(params.py asks each watcher; a region's rerun checks itself as it runs.)"""
     def _mark(self) -> list:
         """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA
         events; on the simulated device, wall times."""
@@ -511,8 +511,8 @@ class Regions:
     def _say_blocks(self) -> None:
         """Once: the blocks found and those refused, with why (Rule 6)."""
         found = self._found()
-        if not found or "blocks" in self._said:
-            return
+        if not found or "blocks" in self._said or (self.idle and all(r.usable for r in found)):
+            return                      # (nothing recomputed, nothing refused: nothing to say)
         say_once("blocks", blocks_line(found), given=self._said, stacklevel=5)
 
     def stats(self) -> dict:
