@@ -140,7 +140,7 @@ class Frame:
         moved = any(t._version != v for i, t, v in self.inputs if i in self.unsaved)
         self.inputs = []
         if self.unpacked:               # backward came first: it has what it needs
-            return True
+            return False
         if moved:
             self.keep()
             return True

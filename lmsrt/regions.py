@@ -9,6 +9,54 @@ first use of one of them, as ``torch.utils.checkpoint`` (non-reentrant) does. Th
 running them again: NOTE [ Region plan ].
 
 NOTE [ Recomputed regions ]
+  Rule 1 (what a region is; region_finder.py). A child of an ``nn.ModuleList`` or
+    ``nn.Sequential`` whose class appears there more than once, unless compiled (compiled.py:
+    the partitioner's budget chooses what it recomputes); one object listed several times is one
+    region. In a plain ``nn.Sequential`` of mixed classes (a conv net's layers), children are
+    grouped into stages, run as one chain: a stage starts at each child of the class that leads
+    the container (its first child with parameters), or earlier, at the parameter-free child
+    before it whose input is smallest (pooling ends a stage, upsampling starts the next); the
+    sizes come from the first step that ran with grad, which recomputes nothing. A stage starts
+    at a child listed once in the container, and its frame follows it by position.
+  Rule 2 (only where lmsrt saves). A region is entered only while grad is on, outside backward,
+    and with this LMS's saved-tensor hooks innermost: inside a user's own checkpoint (its hooks
+    are innermost; a reentrant one runs forward without grad), ``save_on_cpu``, a torch.func
+    transform, or another region, nothing changes.
+  Rule 3 (a frame never outlives its forward; ``_close``). Every tensor in its arguments, nested
+    and keyword ones included (pytree), goes to the engine at entry; its ops' saved tensors are
+    held while it runs and dropped when it returns. It closes when its last module returns, when
+    any module in it raises, when a walk leaves a stage early (a module outside it is called or
+    returns), and at the ``with`` block's exit or the next step; each close takes exactly its own
+    hooks off the stack. A frame that raised or was left keeps what it saved, as does one that
+    changed an input in place (Rule 6): kept tensors go to the engine, which keeps or swaps them.
+  Rule 4 (recomputed; region_frames.py). At the first unpack of a dropped tensor, the region
+    runs again from its inputs (brought back by the engine) with grad on, up to the save of the
+    last tensor it dropped (the rest is skipped, as torch's checkpoint stops early). The running
+    statistics of its batch norms in training mode, updated once by forward, are put back after
+    the rerun. Tensors are matched by the order they were saved in; a rerun that saves other
+    shapes or dtypes raises. Python code in its forward before that save runs again.
+  Rule 5 (versions). Autograd skips its in-place check while hooks are set, so each handle keeps
+    its tensor's version counter (``engine.counter_only``) and unpack raises autograd's error
+    when it moved; the engine checks the inputs it holds. An input its ops did not save may be
+    changed after it (``x += block(x)``): a region's first calls drop at the next region's entry
+    only if such inputs stood unchanged, else they keep and the region's later calls hand the
+    engine a copy of those inputs; a change seen only in backward raises saying so.
+  Rule 6 (what is restored, what is refused; region_safety.py). The rerun restores the CPU RNG
+    and that of every CUDA device its tensors live on, autocast, the backend flags,
+    ``sdpa_kernel``'s backends, deterministic mode and each module's train flag as in forward.
+    Refused, said once with the block and why (``refuse``; ``stats()["regions"]["refused"]``):
+    TorchScript, a module holding a ``torch.Generator``, forward hooks of the user's or global
+    ones not lmsrt's, a forward that changed a parameter or buffer in place (batch norm's
+    statistics apart) or an input, or drew from Python's or numpy's generator (checked on a
+    region's first calls). Not seen: other generators, writes that bump no version.
+  Rule 7 (parameters between forward and backward). Before an optimizer steps or ``p.data`` is
+    read or set (params.py), dropped regions that read those parameters run again at once
+    (``materialize``). A parameter or buffer changed otherwise in place is found as the rerun
+    starts: it raises saying so, and the region is refused.
+
+NOTE [ Region plan ].
+
+NOTE [ Recomputed regions ]
   Rule 1 (what a region is). A child of an ``nn.ModuleList`` or ``nn.Sequential`` whose class
     appears there more than once, unless compiled (compiled.py: the partitioner's budget
     chooses what it recomputes). In a plain ``nn.Sequential`` of mixed classes (a conv net's
@@ -104,7 +152,8 @@ class Regions:
         self.idle = False               # planned to recompute nothing: the hooks return at once
         self._all = False               # recompute every usable region (the timing step)
         self.note = "step 1 finds the model's repeated blocks and recomputes none"
-        self.finder = BlockFinder(self.refuse)
+        refuse = weakref.WeakMethod(self.refuse)        # (no cycle: a dropped LMS goes at once)
+        self.finder = BlockFinder(lambda region, why: refuse()(region, why))
         self._of = self.finder.of       # a region's first module -> the region
         self.order: List[Region] = []  # regions in forward order, as the timing step ran them
         self.figures: Optional[StepFigures] = None   # what the plan was made from
@@ -244,6 +293,7 @@ class Regions:
     def _settle(self, frame: Frame) -> None:
         if frame.settle():
             frame.region.copies = True      # Rule 5: from now on its inputs are copied
+        if not frame.dropped:
             self._kept_calls += 1
             return
         self.engine.step.count_recomputed(frame.nbytes)
@@ -284,8 +334,7 @@ class Regions:
             self.recompute(frame)
 
     def check_rebuilt(self) -> None:
-        """(params.py asks each watcher; a region's rerun is checked as it runs.)"""
-
+        """(params.py asks each watcher; a region's rerun checks itself as it runs.)"""
     def _mark(self) -> list:
         """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA
         events; on the simulated device, wall times."""
@@ -412,8 +461,8 @@ class Regions:
     def _say_blocks(self) -> None:
         """Once: the blocks found and those refused, with why (Rule 6)."""
         found = self._found()
-        if not found or "blocks" in self._said:
-            return
+        if not found or "blocks" in self._said or (self.idle and all(r.usable for r in found)):
+            return                      # (nothing recomputed, nothing refused: nothing to say)
         say_once("blocks", blocks_line(found), given=self._said, stacklevel=5)
 
     def stats(self) -> dict:
