@@ -27,31 +27,17 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["watch"]
+from . import torch_patches
+
+__all__ = ["watch", "unwatch"]
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()     # engines that rebuild (with recompute on)
-_data = torch._C.TensorBase.data                     # the tensor's own ``data`` descriptor
-_installed = False
-_hook = None                                         # the optimizer step pre-hook's handle
 
 
 def _before_change(p: torch.Tensor) -> None:
-    for engine in list(_engines):
+    for engine in list(_engines):                    # Rule 2
         engine.materialize((id(p),))
-
-
-def _get_data(self):
-    if _engines:
-        _before_change(self)                         # Rule 2
-    return _data.__get__(self)
-
-
-def _set_data(self, value) -> None:
-    if _engines:
-        _before_change(self)                         # Rule 2
-    _data.__set__(self, value)
 
 
 def _before_step(optimizer, args, kwargs) -> None:
@@ -67,13 +53,25 @@ def _before_step(optimizer, args, kwargs) -> None:
     return None
 
 
+# Made while an engine needs them, undone when the last one closes or is collected
+# (torch_patches.py, NOTE [ What lmsrt changes in torch ], 7 and 8).
+_data_property = torch_patches.parameter_data_patch(_before_change)
+_step_hook = torch_patches.optimizer_step_patch(_before_step)
+
+
 def watch(engine, parameters: bool = False) -> None:
     """Have ``engine``'s rebuilds made before the parameters they read change (``parameters``:
-    it has such rebuilds pending, so the ``p.data`` property is needed from now on)."""
-    global _installed, _hook
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_before_step)
+    it has such rebuilds pending, so the ``p.data`` property is needed from now on). Until
+    ``unwatch(engine)``, or until the engine is collected."""
     _engines.add(engine)
-    if parameters and not _installed:
-        _installed = True
-        torch.nn.Parameter.data = property(_get_data, _set_data, doc=_data.__doc__)
+    _step_hook.add_user(engine)
+    if parameters:
+        _data_property.add_user(engine)
+
+
+def unwatch(engine) -> None:
+    """``engine`` closed: nothing of it is made before parameters change any more; the last
+    engine watched takes torch's patches with it."""
+    _engines.discard(engine)
+    _data_property.remove_user(engine)
+    _step_hook.remove_user(engine)
