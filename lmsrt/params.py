@@ -8,11 +8,15 @@ decoupled weight decay or an EMA written through ``p.data``. So every rebuild th
 parameter is noted by the engine (``SwapEngine.materialize``), and made at once, while the
 parameter still holds what forward saw, just before the parameter can change:
 
-  Rule 1. Before any torch.optim optimizer steps (its global step pre-hook): the pending
-    rebuilds that read the parameters it updates.
+  Rule 1. Before any torch.optim optimizer steps (its global step pre-hook, while an engine
+    that rebuilds lives): the pending rebuilds that read the parameters it updates.
   Rule 2. Before ``p.data`` of such a parameter is read or set (a property on
-    ``torch.nn.Parameter``, installed with the first noted rebuild): ``.data`` writes bump no
-    version counter, so nothing could tell them afterwards.
+    ``torch.nn.Parameter``, from the first noted rebuild until the last engine that noted one
+    closes or is collected): ``.data`` writes bump no version counter, so nothing could tell
+    them afterwards.
+
+Both are counted changes to torch (torch_patches.py, NOTE [ What lmsrt changes in torch ], 7
+and 8): with no engine left, ``p.data`` costs what it costs without lmsrt.
 
 A rebuild made early holds its bytes until backward uses them, as PyTorch does without lmsrt.
 Not seen: writes through other aliases made without ``.data`` or a version bump (a tensor
