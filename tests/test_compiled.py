@@ -453,3 +453,79 @@ def test_a_model_that_fits_goes_back_to_its_whole_graph(kind, monkeypatch):
     for step in got:
         assert_same(whole, step)
     assert [m for m in said if "runs as compiled" in m], said
+
+
+def _block_class(name: str, scale: float) -> type:
+    """A block class of its own, named ``name``: a residual Linear and tanh, scaled."""
+
+    def __init__(self, d: int = 32, k: int = 1):
+        nn.Module.__init__(self)
+        self.lin, self.k = nn.Linear(d, d), k
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * (scale * self.k)
+
+    return type(name, (nn.Module,), dict(__init__=__init__, forward=forward))
+
+
+def _compiled_blocks(model, x, lms, steps=3):
+    """``model`` compiled whole by a counting aot_eager, trained ``steps`` steps under ``lms``;
+    the steps, the compiled model, and the graphs compiled and compiled calls run."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    budgets, calls = [], []
+    compiled = torch.compile(model, backend=_counting_aot_eager(budgets, calls))
+    got = []
+    for step in range(steps):
+        got.append(train_step(compiled, x, lms=lms))
+        if step == 0:
+            assert compiled.forward.regional and not calls        # eager while learning
+    return got, compiled, budgets, calls
+
+
+def test_more_block_classes_than_dynamos_recompile_limit_all_compile(monkeypatch):
+    # Each block class compiles through a function of its own, so each has dynamo's recompile
+    # limit (NOTE [ Regions under LMS ], Rule 5): ten classes, past the limit of 8, all compile.
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    torch.manual_seed(0)
+    classes = [_block_class(f"Kind{i}", i + 1.0) for i in range(10)]
+    model = nn.Sequential(*[cls() for cls in classes for _ in range(2)])
+    x = torch.randn(16, 32)
+    eager = train_step(model, x)
+    lms = make_lms("sim")
+    with lmsrt_warnings() as said:
+        got, compiled, budgets, calls = _compiled_blocks(model, x, lms)
+    assert torch._dynamo.config.recompile_limit < len(classes)
+    # Steps 2 and 3: every one of the 20 blocks ran compiled; a graph per class (and one more
+    # for the first block, whose input does not require grad).
+    assert len(calls) == 2 * 20 and len(budgets) == len(classes) + 1, (len(calls), len(budgets))
+    assert not [m for m in said if "recompile limit" in m], said
+    # The same compiled blocks without lmsrt (an LMS live, not entered), and the eager model.
+    ref = train_step(compiled, x, lms=same_hooks())
+    for step in got:
+        assert_same(ref, step)
+    assert_same(eager, ref)
+    torch._dynamo.reset()
+
+
+def test_blocks_past_the_recompile_limit_of_their_class_are_named(monkeypatch):
+    # Blocks of one class that dynamo must compile apart (a Python number it guards on) pass the
+    # limit: the rest run eagerly, exactly, and lmsrt says so once, naming the class.
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    torch.manual_seed(0)
+    scaled = _block_class("ScaledBlock", 0.5)
+    model = nn.Sequential(*[scaled(k=k) for k in range(1, 5)])
+    x = torch.randn(16, 32)
+    eager = train_step(model, x)
+    lms = make_lms("sim")
+    with lmsrt_warnings() as said, torch._dynamo.config.patch(recompile_limit=2):
+        got, compiled, budgets, calls = _compiled_blocks(model, x, lms)
+    assert len(budgets) == 2 and len(calls) == 2 * 2, (budgets, calls)
+    lines = [m for m in said if "recompile limit" in m]
+    assert len(lines) == 1 and "2 graphs for the ScaledBlock blocks" in lines[0], said
+    assert "recompile_limit=2" in lines[0]
+    for step in got:
+        assert_same(eager, step)
+    torch._dynamo.reset()
