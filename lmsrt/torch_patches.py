@@ -9,8 +9,7 @@ needs them does, undone when the last of them closes or is collected.
      (``step_aside_where_hooks_are_disabled``): inside it lmsrt's hooks leave the thread's
      stack and come back after it, so torch.func's transforms run under ``lmsrt run``. At
      import, and for good, because dynamo recognises the context manager by identity from a
-     table it builds when it is first imported; and a region entered under the wrap must leave
-     through it.
+     table it builds when it is first imported: undone, dynamo would no longer know torch's own.
   2. ``torch.cuda.reset_peak_memory_stats`` (and ``torch.cuda.memory``'s) is wrapped when the
      first CUDA device is made (``keep_peaks_across_resets``): a script's own reset folds the
      peak it clears into ``cleared_peaks`` first, so lmsrt's step peak covers the whole step.
@@ -35,8 +34,8 @@ needs them does, undone when the last of them closes or is collected.
      itself, so it is made in compiled.py (``install``, which lms.py calls).
   7. ``torch.nn.Parameter.data`` becomes a property (``parameter_data_patch``) from the first
      rebuild that reads a parameter (params.py, NOTE [ Parameters a rebuild reads ], Rule 2).
-     Counted: it slows every ``p.data`` (about 0.45 to 1.2 us), so it goes with the last engine
-     that needed it, and ``Parameter.data`` is torch's own descriptor again.
+     Counted: it slows every ``p.data`` of the process (a Python call each), so it goes with the
+     last engine that needed it, and ``Parameter.data`` is torch's own descriptor again.
   8. A global optimizer step pre-hook (``optimizer_step_patch``) while an engine that rebuilds
      lives (params.py, Rule 1). Counted, as 7.
 
