@@ -9,7 +9,7 @@ needs them does, undone when the last of them closes or is collected.
      (``step_aside_where_hooks_are_disabled``): inside it lmsrt's hooks leave the thread's
      stack and come back after it, so torch.func's transforms run under ``lmsrt run``. At
      import, and for good, because dynamo recognises the context manager by identity from a
-     table it builds when it is first imported: undone, dynamo would no longer know torch's own.
+     table it builds when it is first imported: undone, the one scripts call would be unknown to it.
   2. ``torch.cuda.reset_peak_memory_stats`` (and ``torch.cuda.memory``'s) is wrapped when the
      first CUDA device is made (``keep_peaks_across_resets``): a script's own reset folds the
      peak it clears into ``cleared_peaks`` first, so lmsrt's step peak covers the whole step.
