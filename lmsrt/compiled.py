@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import weakref
 from typing import Callable, List, Optional
 
@@ -59,10 +60,13 @@ __all__ = ["CompileAdvice", "capturing", "hooks_aside", "install", "made_regions
 #      Where dynamo does not (torch < 2.5, inline_inbuilt_nn_modules off) it would compile every
 #      block apart and give up after its recompile limit: the model stays whole, said once.
 #   5. A block is compiled as ``block.compile()`` would (its ``_compiled_call_impl``, so the
-#      model's tree and state_dict keys stay as they are), but through ``_run_block``, one
-#      function taking the block as an argument: dynamo does not compile a frame of torch.nn's own
-#      (``nn.Sequential().compile()`` compiles nothing), and one function for all blocks keeps
-#      Rule 4.
+#      model's tree and state_dict keys stay as they are), but through a copy of ``_run_block``
+#      per block class, a function taking the block as an argument: dynamo does not compile a
+#      frame of torch.nn's own (``nn.Sequential().compile()`` compiles nothing); one function for
+#      the blocks of a class keeps Rule 4; and one per class, each its own code object named
+#      after the class, gives each class dynamo's recompile limit (8 graphs per code object) and
+#      names the class in dynamo's warnings. Blocks of one class that still pass the limit
+#      (alike in class, unlike in what dynamo guards on) run eagerly, said once, naming the class.
 #   6. The blocks run eagerly until the LMS has learnt a step: their saves are counted, and
 #      the step that follows one whose blocks saved something and ran backward compiles them
 #      and is learnt afresh (``SwapEngine.relearn``: what the model saves has changed). The
@@ -143,6 +147,23 @@ def _block_arguments(kwargs: dict, say: Callable[[str, str], None]) -> dict:
 def _run_block(block: nn.Module, *args, **kwargs):
     """One block's call, in a frame dynamo compiles (NOTE [ Regions under LMS ], Rule 5)."""
     return block._call_impl(*args, **kwargs)
+
+
+def _block_runner(cls: type) -> Callable:
+    """``_run_block`` as a function of its own for the blocks of class ``cls``: its own code
+    object, named after the class, which dynamo keys its graphs and recompile limit on and names
+    in its warnings (NOTE [ Regions under LMS ], Rule 5)."""
+    code = _run_block.__code__
+    names = dict(co_name=cls.__name__)
+    if hasattr(code, "co_qualname"):            # Python 3.11 and later
+        names["co_qualname"] = cls.__qualname__
+    return types.FunctionType(code.replace(**names), _run_block.__globals__, cls.__name__)
+
+
+def _graphs_of(code: types.CodeType) -> Optional[int]:
+    """How many graphs dynamo holds for ``code`` (None: this torch does not tell)."""
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    return None if entries is None else len(entries(code))
 
 
 class CompileAdvice:
@@ -291,21 +312,52 @@ class _Regional:
             return advice.measured(block._call_impl, *args, **kwargs)
         if advice is not None and advice.whole:
             return block._call_impl(*args, **kwargs)     # this step ends eagerly (Rule 8)
-        region = self._compile(advice.budget if advice is not None else 1.0)
-        return region(block, *args, **kwargs)
+        self._compile(advice.budget if advice is not None else 1.0)
+        return block._compiled_call_impl(*args, **kwargs)
 
-    def _compile(self, budget: float) -> Callable:
-        """Compile the blocks (Rules 3-5), under ``budget`` (Rule 7)."""
+    def _compile(self, budget: float) -> None:
+        """Compile the blocks, a function per class (Rules 3-5), under ``budget`` (Rule 7)."""
         import torch._functorch.config as functorch_config  # loaded with torch.compile
 
-        region = _torch_compile(_run_block, **_block_arguments(self.kwargs, self.say))
-        if budget < functorch_config.activation_memory_budget:
-            region = functorch_config.patch(activation_memory_budget=budget)(region)
+        arguments = _block_arguments(self.kwargs, self.say)
+        patch = (functorch_config.patch(activation_memory_budget=budget)
+                 if budget < functorch_config.activation_memory_budget else None)
         self.budget = min(budget, functorch_config.activation_memory_budget)
+        regions: dict = {}
         for block in self.blocks:
+            cls = type(block)
+            if cls not in regions:
+                runner = _block_runner(cls)
+                region = _torch_compile(runner, **arguments)
+                regions[cls] = (patch(region) if patch is not None else region,
+                                runner.__code__)
             # What block.compile() does, through a frame of lmsrt's own (Rule 5).
-            block._compiled_call_impl = functools.partial(region, block)
-        return region
+            block._compiled_call_impl = functools.partial(self._call_compiled, *regions[cls],
+                                                          block)
+
+    def _call_compiled(self, region: Callable, code: types.CodeType, block: nn.Module, *args,
+                       **kwargs):
+        """``block``'s compiled call; says once where dynamo ran it eagerly, past its recompile
+        limit for the block's class (Rule 5)."""
+        from torch._dynamo.utils import counters
+        frames = counters["frames"]
+        asked, compiled = frames["total"], frames["ok"]
+        out = region(block, *args, **kwargs)
+        if frames["total"] == asked or frames["ok"] != compiled:
+            return out                       # a graph was reused, or a new one compiled
+        config = torch._dynamo.config
+        limit = getattr(config, "recompile_limit", None) or config.cache_size_limit
+        graphs = _graphs_of(code)
+        if graphs is not None and graphs >= limit:
+            name = type(block).__qualname__
+            self.say(f"eager-{type(block).__module__}.{name}", f"lmsrt: dynamo compiled "
+                     f"{graphs} graphs for the {name} blocks, its recompile limit "
+                     f"(torch._dynamo.config.recompile_limit={limit}), and runs the {name} "
+                     "blocks that need another one eagerly (their saved tensors swap as an "
+                     "eager model's do). Blocks of one class that differ in what dynamo guards "
+                     "on (shapes, attributes, arguments) each need a graph: raise the limit, "
+                     "or make them alike (said once).")
+        return out
 
 
 def install(advice: Callable[[], Optional[CompileAdvice]],

@@ -8,11 +8,15 @@ decoupled weight decay or an EMA written through ``p.data``. So every rebuild th
 parameter is noted by the engine (``SwapEngine.materialize``), and made at once, while the
 parameter still holds what forward saw, just before the parameter can change:
 
-  Rule 1. Before any torch.optim optimizer steps (its global step pre-hook): the pending
-    rebuilds that read the parameters it updates.
+  Rule 1. Before any torch.optim optimizer steps (its global step pre-hook, while an engine
+    that rebuilds lives): the pending rebuilds that read the parameters it updates.
   Rule 2. Before ``p.data`` of such a parameter is read or set (a property on
-    ``torch.nn.Parameter``, installed with the first noted rebuild): ``.data`` writes bump no
-    version counter, so nothing could tell them afterwards.
+    ``torch.nn.Parameter``, from the first noted rebuild until the last engine that noted one
+    closes or is collected): ``.data`` writes bump no version counter, so nothing could tell
+    them afterwards.
+
+Both are counted changes to torch (torch_patches.py, NOTE [ What lmsrt changes in torch ], 7
+and 8): with no engine left, ``p.data`` costs what it costs without lmsrt.
 
 A rebuild made early holds its bytes until backward uses them, as PyTorch does without lmsrt.
 Not seen: writes through other aliases made without ``.data`` or a version bump (a tensor
@@ -27,31 +31,17 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["watch"]
+from . import torch_patches
+
+__all__ = ["watch", "unwatch"]
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()     # engines that rebuild (with recompute on)
-_data = torch._C.TensorBase.data                     # the tensor's own ``data`` descriptor
-_installed = False
-_hook = None                                         # the optimizer step pre-hook's handle
 
 
 def _before_change(p: torch.Tensor) -> None:
-    for engine in list(_engines):
+    for engine in list(_engines):                    # Rule 2
         engine.materialize((id(p),))
-
-
-def _get_data(self):
-    if _engines:
-        _before_change(self)                         # Rule 2
-    return _data.__get__(self)
-
-
-def _set_data(self, value) -> None:
-    if _engines:
-        _before_change(self)                         # Rule 2
-    _data.__set__(self, value)
 
 
 def _before_step(optimizer, args, kwargs) -> None:
@@ -67,13 +57,25 @@ def _before_step(optimizer, args, kwargs) -> None:
     return None
 
 
+# Made while an engine needs them, undone when the last one closes or is collected
+# (torch_patches.py, NOTE [ What lmsrt changes in torch ], 7 and 8).
+_data_property = torch_patches.parameter_data_patch(_before_change)
+_step_hook = torch_patches.optimizer_step_patch(_before_step)
+
+
 def watch(engine, parameters: bool = False) -> None:
     """Have ``engine``'s rebuilds made before the parameters they read change (``parameters``:
-    it has such rebuilds pending, so the ``p.data`` property is needed from now on)."""
-    global _installed, _hook
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_before_step)
+    it has such rebuilds pending, so the ``p.data`` property is needed from now on). Until
+    ``unwatch(engine)``, or until the engine is collected."""
     _engines.add(engine)
-    if parameters and not _installed:
-        _installed = True
-        torch.nn.Parameter.data = property(_get_data, _set_data, doc=_data.__doc__)
+    _step_hook.add_user(engine)
+    if parameters:
+        _data_property.add_user(engine)
+
+
+def unwatch(engine) -> None:
+    """``engine`` closed: nothing of it is made before parameters change any more; the last
+    engine watched takes torch's patches with it."""
+    _engines.discard(engine)
+    _data_property.remove_user(engine)
+    _step_hook.remove_user(engine)

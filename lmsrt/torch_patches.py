@@ -1,41 +1,64 @@
 """Every change lmsrt makes to torch, in one place.
 
 NOTE [ What lmsrt changes in torch ]
-lmsrt changes six things of torch's, each once per process, and nothing else:
+lmsrt changes these things of torch's, and nothing else. 1-6 are made once per process and stay,
+each for the reason given; 7 and 8 are counted (``CountedPatch``): made when the first LMS that
+needs them does, undone when the last of them closes or is collected.
 
   1. ``torch.autograd.graph.disable_saved_tensors_hooks`` is wrapped when lmsrt is imported
      (``step_aside_where_hooks_are_disabled``): inside it lmsrt's hooks leave the thread's
      stack and come back after it, so torch.func's transforms run under ``lmsrt run``. At
-     import, because dynamo recognises the context manager by identity from a table it builds
-     when it is first imported.
+     import, and for good, because dynamo recognises the context manager by identity from a
+     table it builds when it is first imported: undone, the one scripts call would be unknown to it.
   2. ``torch.cuda.reset_peak_memory_stats`` (and ``torch.cuda.memory``'s) is wrapped when the
      first CUDA device is made (``keep_peaks_across_resets``): a script's own reset folds the
      peak it clears into ``cleared_peaks`` first, so lmsrt's step peak covers the whole step.
+     For good: a device outlives its LMS, and the wrap costs one read per reset, none per op.
   3. The caching allocator's expandable segments are turned on when a CUDA device is made,
-     unless the user configured them (``prefer_expandable_segments``).
+     unless the user configured them (``prefer_expandable_segments``). For good: segments made
+     under the setting keep it, turning it off again would not undo them.
   4. ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and ``torch.autograd.grad``
      are wrapped when lmsrt is imported (``annotate_backward_ooms``): an out-of-memory error
      raised in backward while an LMS holds saved tensors carries lmsrt's context, as one raised
      in forward does. The same exception goes on. A live engine's rebuild recorder also leaves
      the thread's mode stack as backward begins, until the next forward (``Rebuilds.sleep``).
+     At import, and for good, so that a script's ``from torch.autograd import grad`` after
+     ``import lmsrt`` takes the wrap; it costs one frame per backward, none per op.
   5. ``torch.cuda.graph``'s ``__enter__``/``__exit__`` are wrapped when lmsrt is imported
      (``step_aside_in_capture``): lmsrt's hooks leave the stack while a CUDA graph is captured
-     (also for ``make_graphed_callables`` and inductor's CUDA graphs).
+     (also for ``make_graphed_callables`` and inductor's CUDA graphs). For good: a capture begun
+     under the wrap must end under it, or the hooks it took aside would never come back; it
+     costs one call per capture.
   6. ``torch.compile`` and ``nn.Module.compile`` are wrapped when lmsrt is imported, so that a
-     model compiled whole is compiled block by block while an LMS is live. The wrap is the
-     region mechanism itself, so it is made in compiled.py (``install``, which lms.py calls).
+     model compiled whole is compiled block by block while an LMS is live. For good, because
+     scripts compile their model before they create their LMS. The wrap is the region mechanism
+     itself, so it is made in compiled.py (``install``, which lms.py calls).
+  7. ``torch.nn.Parameter.data`` becomes a property (``parameter_data_patch``) from the first
+     rebuild that reads a parameter (params.py, NOTE [ Parameters a rebuild reads ], Rule 2).
+     Counted: it slows every ``p.data`` of the process (a Python call each), so it goes with the
+     last engine that needed it, and ``Parameter.data`` is torch's own descriptor again.
+  8. A global optimizer step pre-hook (``optimizer_step_patch``) while an engine that rebuilds
+     lives (params.py, Rule 1). Counted, as 7.
+
+Held only while in use, and not counted here: the saved-tensor hooks lmsrt pushes (per ``with
+lms:``), the global module forward hooks of region recompute (per LMS, regions.py) and of the
+profiler (per profiled step, profiler/recorder.py).
 
 Example::
 
     from lmsrt import torch_patches
     torch_patches.keep_peaks_across_resets()     # idempotent; 2 above
+    hook = torch_patches.optimizer_step_patch(before_step)
+    hook.add_user(engine)     # 8 above: made now, undone when the last user goes
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-from typing import Optional
+import threading
+import weakref
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -44,7 +67,8 @@ from .say import say_once
 
 __all__ = ["step_aside_where_hooks_are_disabled", "keep_peaks_across_resets", "cleared_peaks",
            "reset_peak", "prefer_expandable_segments", "annotate_backward_ooms",
-           "step_aside_in_capture"]
+           "step_aside_in_capture", "CountedPatch", "parameter_data_patch",
+           "optimizer_step_patch"]
 
 
 _torch_disable_hooks = None       # torch.autograd.graph.disable_saved_tensors_hooks, unwrapped
@@ -208,6 +232,92 @@ def step_aside_in_capture() -> None:
                 aside.__exit__(None, None, None)
 
     graph.__enter__, graph.__exit__ = __enter__, __exit__
+
+
+class CountedPatch:
+    """A change to torch made while at least one user needs it (NOTE [ What lmsrt changes in
+    torch ], 7 and 8). ``install()`` makes the change and returns what undoes it; it runs when
+    the first user is added, and the undo when the last is removed or collected.
+
+    Example::
+
+        patch = CountedPatch("a hook", lambda: register_hook(...).remove)
+        patch.add_user(engine)        # installed
+        patch.remove_user(engine)     # the last user: undone
+    """
+
+    def __init__(self, name: str, install: Callable[[], Callable[[], None]]):
+        self.name = name
+        self._install = install
+        self._undo: Optional[Callable[[], None]] = None
+        self._users: Dict[int, weakref.finalize] = {}      # id(user) -> its finalizer
+        # Reentrant: a finalizer may run from the collector while this thread holds the lock.
+        self._lock = threading.RLock()
+
+    @property
+    def installed(self) -> bool:
+        return self._undo is not None
+
+    def add_user(self, user: object) -> None:
+        """Count ``user`` (once, however often it is added) until ``remove_user(user)`` or until
+        it is collected; install the change if it is not."""
+        key = id(user)
+        if key in self._users:
+            return
+        # Made before the lock is taken: a collection it sets off may remove another user.
+        done = weakref.finalize(user, self._forget, key)
+        done.atexit = False             # at exit torch goes too: nothing to undo
+        with self._lock:
+            self._users[key] = done
+            if self._undo is None:
+                self._undo = self._install()
+
+    def remove_user(self, user: object) -> None:
+        """No longer count ``user``; undo the change if it was the last."""
+        done = self._users.get(id(user))
+        if done is not None:
+            done()                      # runs _forget once, and never again at collection
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            if self._users.pop(key, None) is None or self._users or self._undo is None:
+                return
+            undo, self._undo = self._undo, None
+            undo()
+
+
+def parameter_data_patch(before_change: Callable[[torch.Tensor], None]) -> CountedPatch:
+    """``torch.nn.Parameter.data`` as a property that calls ``before_change(p)`` before ``p.data``
+    is read or set (7 above); undone, ``Parameter.data`` is torch's own descriptor again."""
+    data = torch._C.TensorBase.data                  # the tensor's own ``data`` descriptor
+
+    def get(self):
+        before_change(self)
+        return data.__get__(self)
+
+    def set(self, value) -> None:
+        before_change(self)
+        data.__set__(self, value)
+
+    def install() -> Callable[[], None]:
+        own = torch.nn.Parameter.__dict__.get("data")   # None: inherited from TensorBase
+        torch.nn.Parameter.data = property(get, set, doc=data.__doc__)
+
+        def undo() -> None:
+            if own is None:
+                del torch.nn.Parameter.data
+            else:
+                torch.nn.Parameter.data = own
+        return undo
+
+    return CountedPatch("torch.nn.Parameter.data", install)
+
+
+def optimizer_step_patch(hook: Callable) -> CountedPatch:
+    """``hook`` as a global torch.optim step pre-hook (8 above)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    return CountedPatch("torch.optim step pre-hook",
+                        lambda: register_optimizer_step_pre_hook(hook).remove)
 
 
 # At import, before torch.compile is used: dynamo recognises the context manager by identity,

@@ -453,3 +453,91 @@ def test_a_model_that_fits_goes_back_to_its_whole_graph(kind, monkeypatch):
     for step in got:
         assert_same(whole, step)
     assert [m for m in said if "runs as compiled" in m], said
+
+
+def _block_class(name: str, scale: float) -> type:
+    """A block class of its own, named ``name``: a residual Linear and tanh, scaled."""
+
+    def __init__(self, d: int = 32, k: int = 1):
+        nn.Module.__init__(self)
+        self.lin, self.k = nn.Linear(d, d), k
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * (scale * self.k)
+
+    return type(name, (nn.Module,), dict(__init__=__init__, forward=forward))
+
+
+def _compiled_blocks(model, x, lms, backend, steps=3):
+    """``model`` compiled whole, trained ``steps`` steps under ``lms``: the steps, and the
+    compiled model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()                           # (which reset() leaves)
+    compiled = torch.compile(model, backend=backend)
+    got = []
+    for step in range(steps):
+        got.append(train_step(compiled, x, lms=lms))
+        assert compiled.forward.regional
+    return got, compiled
+
+
+def _check_block_classes(kind, backend, monkeypatch):
+    # Each block class compiles through a function of its own, so each has dynamo's recompile
+    # limit (NOTE [ Regions under LMS ], Rule 5): ten classes, past the limit of 8, all compile.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    _fresh_live_engines(monkeypatch)
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    classes = [_block_class(f"Kind{i}", i + 1.0) for i in range(10)]
+    model = nn.Sequential(*[cls() for cls in classes for _ in range(2)]).to(dev)
+    x = torch.randn(16, 32, device=dev)
+    eager = train_step(model, x)
+    lms = make_lms(kind)
+    with lmsrt_warnings() as said:
+        got, compiled = _compiled_blocks(model, x, lms, backend)
+    assert torch._dynamo.config.recompile_limit < len(classes)
+    # Step 1 ran eagerly; from step 2 a graph per class (and one more for the first block,
+    # whose input does not require grad), and no frame dynamo gave up on.
+    frames = counters["frames"]
+    assert frames["ok"] == frames["total"] == len(classes) + 1, frames
+    assert not [m for m in said if "recompile limit" in m], said
+    # The same compiled blocks without lmsrt (an LMS live, not entered).
+    ref = train_step(compiled, x, lms=same_hooks())
+    for step in got[1:]:
+        assert_same(ref, step)
+    if backend == "aot_eager":                 # aten's own kernels: also the eager model's bytes
+        assert_same(eager, ref)
+        assert_same(eager, got[0])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind, backend", [p for p in COMPILE_BACKENDS if p.id != "sim-inductor"])
+def test_more_block_classes_than_dynamos_recompile_limit_all_compile(kind, backend, monkeypatch):
+    _check_block_classes(kind, backend, monkeypatch)
+
+
+def test_blocks_past_the_recompile_limit_of_their_class_are_named(monkeypatch):
+    # Blocks of one class that dynamo must compile apart (a Python number it guards on) pass the
+    # limit: the rest run eagerly, exactly, and lmsrt says so once, naming the class.
+    import torch._dynamo
+    _fresh_live_engines(monkeypatch)
+    torch.manual_seed(0)
+    scaled = _block_class("ScaledBlock", 0.5)
+    model = nn.Sequential(*[scaled(k=k) for k in range(1, 5)])
+    x = torch.randn(16, 32)
+    eager = train_step(model, x)
+    lms = make_lms("sim")
+    budgets, calls = [], []
+    with lmsrt_warnings() as said, torch._dynamo.config.patch(recompile_limit=2):
+        got, compiled = _compiled_blocks(model, x, lms, _counting_aot_eager(budgets, calls))
+    # Two of the four blocks compiled, two eager, in steps 2 and 3.
+    assert len(budgets) == 2 and len(calls) == 2 * 2, (budgets, calls)
+    lines = [m for m in said if "recompile limit" in m]
+    assert len(lines) == 1 and "2 graphs for the ScaledBlock blocks" in lines[0], said
+    assert "recompile_limit=2" in lines[0]
+    for step in got:
+        assert_same(eager, step)
+    torch._dynamo.reset()

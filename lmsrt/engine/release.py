@@ -1,6 +1,7 @@
 """Release: give back what dead storages held, and close."""
 from __future__ import annotations
 
+from .. import params
 from .records import Offloaded
 
 __all__ = ["Release"]      # a room of SwapEngine (core.py)
@@ -94,6 +95,7 @@ class Release:
                 self._order.clear()
                 self._cursor = -1                   # nothing left to prefetch
                 self._param_rebuilds = {}
+                params.unwatch(self)                # the last engine takes torch's patches
                 self.state.by_ptr.clear()
                 if self.memo is not None:             # the step in flight counts too
                     self.memo.saw(self.host.used_slabs())
