@@ -291,13 +291,15 @@ class Regions:
         self._settle(frame)
 
     def _settle(self, frame: Frame) -> None:
+        # What a call saves is what recomputing it frees, also where this call keeps (its
+        # unsaved inputs changed: later calls copy them, and drop).
+        frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
         if frame.settle():
             frame.region.copies = True      # Rule 5: from now on its inputs are copied
         if not frame.dropped:
             self._kept_calls += 1
             return
         self.engine.step.count_recomputed(frame.nbytes)
-        frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
         with self._lock:
             self._waiting.add(frame)
         params.watch(self, parameters=True)
