@@ -108,7 +108,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int)
     ap.add_argument("--block-size", type=int, default=1024)
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--eval-interval", type=int, default=20, help="0: no evaluation")
+    ap.add_argument("--eval-interval", type=int, default=250, help="0: no evaluation "
+                    "(nanoGPT evaluates every 250 or 2000 iterations, and at iteration 0)")
     ap.add_argument("--eval-iters", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     args = ap.parse_args(argv)
