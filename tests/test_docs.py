@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lmsrt._cli import main
+from lmsrt._cli import COMMANDS, main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -111,17 +111,17 @@ def bad_values(command: click.Command, own):
 @pytest.mark.parametrize("command", _shown_commands())
 def test_each_command_shown_parses(command):
     name, *args = command
-    assert name in main.commands, f"lmsrt has no subcommand {name!r}: {sorted(main.commands)}"
-    own = lmsrt_options(main.commands[name], args)
+    assert name in COMMANDS, f"lmsrt has no subcommand {name!r}: {sorted(COMMANDS)}"
+    own = lmsrt_options(main.get_command(None, name), args)
     result = CliRunner().invoke(main, [name, *own, "--help"])
     assert result.exit_code == 0 and "Usage:" in result.output, (own, result.output)
-    assert not bad_values(main.commands[name], own)
+    assert not bad_values(main.get_command(None, name), own)
 
 
 def test_an_option_that_is_not_there_fails():
     # The check above can fail: a flag lmsrt run does not have is an error, a flag after the
     # script is the script's.
-    run = main.commands["run"]
+    run = main.get_command(None, "run")
     own = lmsrt_options(run, ["--lms", "1000", "--no-such", "train.py", "--epochs", "3"])
     assert own == ["--lms", "1000", "--no-such"]
     assert CliRunner().invoke(main, ["run", *own, "--help"]).exit_code == 2
@@ -132,7 +132,7 @@ def test_an_option_that_is_not_there_fails():
         "starts, or auto, e.g. --lms-frac 0.75",
         "--lms abc: 'abc' is not a number; give the size threshold in KB (0 turns swapping off), "
         "e.g. --lms 1000"]
-    tune = main.commands["tune"]
+    tune = main.get_command(None, "tune")
     assert lmsrt_options(tune, ["--grid", "--steps", "6", "--", "train.py", "--grid"]) == \
         ["--grid", "--steps", "6"]
 

@@ -205,10 +205,10 @@ def test_readme_and_help_agree():
     readme = _flat(open(README, encoding="utf-8").read())
     docs = {name: _flat(open(os.path.join(DOCS, name), encoding="utf-8").read())
             for name in ("native.md", "tune.md")}
-    build = _flat(main.commands["build"].help)
+    build = _flat(main.get_command(None, "build").help)
     took = build[build.index("(") + 1:build.index(";")]
     assert took == "14-16 s on an H200 host, 18 s on a CPU host" and took in docs["native.md"]
-    [fracs] = [p for p in main.commands["tune"].params if p.name == "fracs"]
+    [fracs] = [p for p in main.get_command(None, "tune").params if p.name == "fracs"]
     help_text = _flat(fracs.help)
     order = help_text[help_text.index("Order of trials:"):help_text.index("lowest first.") + 13]
     assert order in docs["tune.md"]
