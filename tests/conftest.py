@@ -1,5 +1,7 @@
+import logging
 import os
 import signal
+import sys
 
 # A suite started in the background of a non-interactive shell (`pytest ... &`, as CI harnesses
 # may) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it: the tests
@@ -40,6 +42,21 @@ def small_rebuilds_pay(request, monkeypatch):
     (``models.rebuild_small_tensors``); on the simulated device they do already."""
     callspec = getattr(request.node, "callspec", None)
     rebuild_small_tensors(callspec.params.get("kind", "sim") if callspec else "sim", monkeypatch)
+
+
+class _NotesOnStderr(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(f"lmsrt: {record.getMessage()}\n")
+
+
+@pytest.fixture
+def notes_on_stderr():
+    """lmsrt's notes (the ``lmsrt`` logger) on stderr, one ``lmsrt: ...`` line each, as ``lmsrt
+    run`` prints them: a test reads them with ``capsys``."""
+    handler = _NotesOnStderr()
+    logging.getLogger("lmsrt").addHandler(handler)
+    yield
+    logging.getLogger("lmsrt").removeHandler(handler)
 
 
 def pytest_configure(config):

@@ -73,7 +73,8 @@ def _hostile_records(tmp_path, path):
     ]
 
 
-def test_hostile_records_are_ignored_with_one_line_and_never_block(tmp_path, capsys):
+def test_hostile_records_are_ignored_with_one_line_and_never_block(tmp_path, capsys,
+                                                                  notes_on_stderr):
     path = _record_path()
     for name, plant in _hostile_records(tmp_path, path):
         cache._said.clear()
@@ -168,7 +169,7 @@ def test_a_link_planted_at_a_temporary_name_is_not_followed(tmp_path):
 @pytest.mark.parametrize("how", ["pins is a link", "pins is group-writable",
                                  "cache is world-writable", "pins is another user's"])
 def test_an_untrusted_records_folder_is_neither_read_nor_written(tmp_path, monkeypatch, capsys,
-                                                                  how):
+                                                                 notes_on_stderr, how):
     root = tmp_path / "cache"
     pins = root / "pins"
     elsewhere = tmp_path / "elsewhere"
@@ -242,7 +243,8 @@ def test_a_build_of_ones_own_is_loaded(planted):
 
 @pytest.mark.parametrize("how", ["folder group-writable", "file world-writable",
                                  "cache group-writable", "folder a link", "file another user's"])
-def test_a_build_others_could_write_is_not_loaded(planted, tmp_path, monkeypatch, capsys, how):
+def test_a_build_others_could_write_is_not_loaded(planted, tmp_path, monkeypatch, capsys, how,
+                                                   notes_on_stderr):
     folder, so = planted
     if how == "folder group-writable":
         os.chmod(folder, 0o770)

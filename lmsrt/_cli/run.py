@@ -31,7 +31,7 @@ from ..launch.session import (
     check_gpu_limit,
     start,
 )
-from ..options import OPTIONS, env_value
+from ..options import OPTIONS, env_value, spelled
 from ._types import Choice, Number, setting_options, settings_given
 
 __all__ = ["command"]
@@ -246,7 +246,7 @@ def _gpu_limit_applies(limit_gb: float, device: Optional[str]) -> bool:
 
     if not torch.cuda.is_available():
         click.echo(f"lmsrt: warning: no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored "
-                   "(under LMSRT_DEVICE=sim it is the simulated GPU's size).", err=True)
+                   f"(under {spelled('device', 'sim')} it is the simulated GPU's size).", err=True)
         return False
     try:
         check_gpu_limit(limit_gb)

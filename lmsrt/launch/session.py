@@ -51,7 +51,7 @@ import warnings
 from typing import Callable, Dict, List, Mapping, Optional
 
 from .. import __version__
-from ..options import OPTIONS
+from ..options import OPTIONS, spelled
 from ..say import install_stderr_handler, say
 from ..summary import format_off, format_summary
 from ..units import GiB
@@ -294,8 +294,8 @@ def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[fl
     import torch
 
     if not torch.cuda.is_available():
-        say(f"no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored (under LMSRT_DEVICE=sim it "
-            "is the simulated GPU's size).")
+        say(f"no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored (under "
+            f"{spelled('device', 'sim')} it is the simulated GPU's size).")
         return None
     index = torch.cuda.current_device() if index is None else index
     total = torch.cuda.get_device_properties(index).total_memory
