@@ -68,7 +68,8 @@ def seen(output: str) -> dict:
 @pytest.mark.parametrize("before, after, expected", [
     ([], ["--help", "-x", "3"], ["--help", "-x", "3"]),             # after the script
     (["--"], ["--help"], ["--help"]),                                # after --
-    ([], ["--", "--help"], ["--", "--help"]),                        # a later -- is the script's
+    ([], ["--", "--help"], ["--help"]),                              # -- after it: dropped
+    ([], ["-x", "--", "--help"], ["-x", "--", "--help"]),            # a later -- is the script's
     (["--lms", "1", "--lms-frac", "0"], ["--lms", "5"], ["--lms", "5"]),   # same names as ours
 ])
 def test_script_gets_its_arguments_untouched(tmp_path, before, after, expected):
@@ -229,7 +230,8 @@ def test_script_exit_status_propagates(tmp_path, body, status):
     assert json.loads(stats.read_text())["total"]["out_bytes"] > 0   # written however it ended
 
 
-def test_stats_write_that_fails_keeps_the_old_file_and_fails_the_run(tmp_path, monkeypatch):
+def test_stats_write_that_fails_keeps_the_old_file_and_fails_the_run(tmp_path, monkeypatch,
+                                                                    notes_on_stderr):
     stats = tmp_path / "stats.json"
     stats.write_text('{"old": 1}')
 
