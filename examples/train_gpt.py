@@ -137,7 +137,7 @@ for step in range(args.steps):
     except torch.cuda.OutOfMemoryError as e:
         if lms is not None or os.environ.get("LMSRT_ACTIVE"):
             print(f"step {step}: out of GPU memory with LMS on. Give a low --lms-frac (swap "
-                  "from lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
+                  "from lower GPU use), or see README's \"Out of memory?\".\n"
                   f"{e}")
         else:
             print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000, or "
