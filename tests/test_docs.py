@@ -189,6 +189,60 @@ def test_readme_settings_table_is_the_options_table():
 def test_readme_states_the_torch_that_pyproject_requires():
     """The floor in pyproject.toml is the one README gives a reason for."""
     floor = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert f"needs torch {floor}\nor later" in (ROOT / "README.md").read_text()
+    assert f"needs torch {floor} or later" in " ".join((ROOT / "README.md").read_text().split())
     assert hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
 
+
+
+def _words(path: str) -> str:
+    return " ".join((ROOT / path).read_text(encoding="utf-8").split())
+
+
+def test_run_md_explains_every_term_of_the_summary():
+    from lmsrt.summary import LABELS
+
+    run = _words("docs/run.md")
+    assert not [label for label in LABELS if f"**{label}**" not in run]
+
+
+def test_a_step_is_said_to_be_a_micro_batch():
+    assert "A **step** is one forward and the backward after it: one micro-batch" in \
+        _words("docs/run.md")
+    assert "micro-batch, not an optimizer step" in _words("docs/tune.md")
+    assert "A step is one forward and backward (a micro-batch), not an optimizer step" in \
+        _words("README.md")
+
+
+def test_readme_gives_a_quick_test_command_beside_the_full_one_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick = 'python -m pytest -q -n 2 -m "not slow" tests  # quick: about 2 minutes on 2 CPU cores'
+    full = "python -m pytest -q -n 2 tests                # all (CI runs this): 9-12 minutes"
+    assert quick in readme and full in readme
+    assert "\npython -m pytest -q -n 2 tests\n" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_byte_units_are_stated_truly():
+    rows = {line.split("|")[1].strip(): line for line in
+            (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")}
+    assert "| KiB (1024 bytes);" in rows["`lms`"] and "(GiB, 2^30 bytes" in rows["`host_budget_gb`"]
+
+
+def test_the_simulated_device_and_its_size_are_documented():
+    from lmsrt.device import ENV_SIM_GB, sim_capacity
+    from lmsrt.units import GiB
+
+    assert sim_capacity({}) == GiB
+    assert f"1 GiB unless `{ENV_SIM_GB}` says otherwise" in _words("docs/run.md")
+    assert ENV_SIM_GB in _words("README.md")
+
+
+def test_examples_leave_expandable_segments_to_lmsrt():
+    told = [str(path.relative_to(ROOT)) for path in [*(ROOT / "examples").glob("*.py"),
+                                                   ROOT / "docs" / "tune.md", ROOT / "README.md"]
+            if "expandable_segments:True" in path.read_text(encoding="utf-8")]
+    assert not told
+
+
+def test_native_md_says_lmsrt_build_compiles_on_a_cpu_machine():
+    assert "`lmsrt build` compiles it there too, against CPU torch" in _words("docs/native.md")

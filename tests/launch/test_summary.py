@@ -114,3 +114,25 @@ def test_stats_to_standard_output(tmp_path, target):
     printed, _, stats = result.stdout.partition("\n")
     assert printed == "from the script" and json.loads(stats)["schema"] >= 1
     assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("capacity_mib", [64, 256])
+def test_autos_note_never_says_a_peak_is_under_a_smaller_level(capacity_mib):
+    # "the predicted peak, 0.98 GiB, is under 0.94 GiB" was said: the level is the one the plan
+    # kept the peak under, not the bound before the correction learnt from the steps.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh())
+                                  for _ in range(6)])
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=capacity_mib * MiB), recompute=False)
+    for _ in range(5):
+        with lms:
+            loss = model(torch.randn(1024, 512)).square().mean()
+        loss.backward()
+    stats = lms.stats()
+    notes = [s["policy_note"] for s in [*stats["history"], stats["last_step"]]]
+    claims = [re.search(r"predicted peak, ([0-9.]+) GiB, (?:is|stays) under ([0-9.]+) GiB", n)
+              for n in notes]
+    assert any(claims), notes
+    for claim in filter(None, claims):
+        assert float(claim.group(1)) <= float(claim.group(2)), claim.group(0)
+    lms.close()

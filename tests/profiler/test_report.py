@@ -3,6 +3,7 @@
 import gc
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -311,6 +312,11 @@ def test_segnet_example_answers_from_shapes():
     for text in ("Caffe-style data", "Why B needs more than A", "Why Caffe's line fell short",
                  "What LMS does about it", "enc.0.conv", "1x64x769x1025", "ESTIMATE"):
         assert text in proc.stdout, text
+    # The docstring's story agrees with what the example prints: net B fits the 8 GB card.
+    peak = re.search(r"The step's peak is ([0-9.]+) GiB", proc.stdout).group(1)
+    doc = (ROOT / "examples" / "segnet_memory.py").read_text().split('"""')[1]
+    assert f"about {float(peak):.1f} GiB" in " ".join(doc.split()) and "LMS is not needed" in \
+        proc.stdout and "needed 9.5 GB" not in doc
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
