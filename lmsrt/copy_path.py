@@ -146,9 +146,9 @@ def _built_file() -> str:
 def _check_source() -> None:
     if not os.path.exists(source_path()):
         raise FileNotFoundError(
-            f"{source_path()} is not there; the C++ copy path builds from the source a wheel "
-            "or a checkout carries: reinstall lmsrt (pip install lmsrt, or git clone, then "
-            "pip install -e .).")
+            f"{source_path()} is not there; the C++ copy path builds from the source that a "
+            "wheel or a source checkout carries: reinstall lmsrt (pip install lmsrt, or git "
+            "clone, then pip install -e .).")
 
 
 def build(verbose: bool = False) -> str:

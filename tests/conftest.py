@@ -77,7 +77,7 @@ SLOW = {
     "tests/launch/test_cli.py::test_torchrun_workers_enable_lms",
     "tests/launch/test_first_hour.py::test_bad_summary_variable_exits_2_before_the_script",
     "tests/launch/test_first_hour.py::test_no_gpu_warning_is_one_line_with_the_launchers_way",
-    "tests/launch/test_first_hour.py::test_summary_when_something_moved_or_asked",
+    "tests/launch/test_first_hour.py::test_summary_headline_and_table",
     "tests/launch/test_first_hour.py::test_what_python_runs_lmsrt_runs_with_the_same_file_and_path",
     "tests/launch/test_tune.py::test_bisection_sweep_end_to_end",
     "tests/launch/test_tune.py::test_ctrl_c_keeps_the_finished_trials",
