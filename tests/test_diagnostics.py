@@ -30,7 +30,7 @@ def test_oom_hints_spell_settings_as_the_option_table_does(lms_frac):
     assert text.startswith("CUDA out of memory.\nlmsrt: out of GPU memory with LMS on, in forward")
     assert "saved 12th in forward" in text
     assert f"({spelled('host_budget_gb')})" in text
-    assert f"({spelled('lms')}, now 4096 KB)" in text
+    assert f"({spelled('lms')}, now 4096 KiB)" in text
     if lms_frac == "auto":
         assert f"({spelled('lms_frac', 0.5)}, say)" in text
     else:

@@ -130,7 +130,7 @@ def test_an_option_that_is_not_there_fails():
     assert bad_values(run, ["--lms-frac", "2", "--lms=abc", "-m", "--gpu-limit", "12"]) == [
         "--lms-frac 2: 2 is not in [0, 1]; give the fraction of GPU memory used before swapping "
         "starts, or auto, e.g. --lms-frac 0.75",
-        "--lms abc: 'abc' is not a number; give the size threshold in KB (0 turns swapping off), "
+        "--lms abc: 'abc' is not a number; give the size threshold in KiB (0 turns swapping off), "
         "e.g. --lms 1000"]
     tune = main.get_command(None, "tune")
     assert lmsrt_options(tune, ["--grid", "--steps", "6", "--", "train.py", "--grid"]) == \

@@ -783,7 +783,7 @@ def test_torch_compile_is_detected_and_stays_exact(kind, backend):
 # -- bad input at the API ----------------------------------------------------------------------
 
 BAD_ARGUMENTS = [
-    (dict(lms="1000"), TypeError, r"lms must be a number \(KB"),
+    (dict(lms="1000"), TypeError, r"lms must be a number \(KiB"),
     (dict(lms=True), TypeError, "lms must be a number"),
     (dict(lms=float("nan")), ValueError, "lms must be finite"),
     (dict(lms_frac=1.5), ValueError, r"lms_frac must be in \[0, 1\]"),

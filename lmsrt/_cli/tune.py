@@ -82,14 +82,14 @@ class _ParamValues(click.ParamType):
 
 _LMS_FLAG, _FRAC_FLAG = OPTIONS["lms"].flag, OPTIONS["lms_frac"].flag
 _LMS = Number(0.0, setting_range("lms")[1], low_open=True,
-              example=f"give KB > 0, e.g. {_LMS_FLAG} 250,1000,4000")
+              example=f"give KiB > 0, e.g. {_LMS_FLAG} 250,1000,4000")
 _FRAC = Number(*setting_range("lms_frac"), words=OPTIONS["lms_frac"].words,
                example=f"give fractions of GPU memory or auto, e.g. {_FRAC_FLAG} auto,0,0.5,0.9")
 
 
 @click.command("tune", context_settings=dict(allow_interspersed_args=False))
 @click.option(_LMS_FLAG, "lms_values", type=_NumberList(_LMS), default="250,500,1000,4000",
-              show_default=True, metavar="KB,...", help=f"The {_LMS_FLAG} values to try.")
+              show_default=True, metavar="KIB,...", help=f"The {_LMS_FLAG} values to try.")
 @click.option(_FRAC_FLAG, "fracs", type=_NumberList(_FRAC), default=None,
               show_default="auto, then 0, 0.05, ..., 1", metavar="auto,F,...",
               help=f"The {_FRAC_FLAG} values. Order of trials: auto (the engine finds the "
