@@ -69,7 +69,7 @@ def pytest_configure(config):
 
 # The tests that take 5 s or more on a 2-core CPU machine (each starts processes, builds C++ or
 # soaks), marked `slow`, so that README's quick command (-m "not slow") runs the rest in about a
-# minute and a half; CI runs them all. Named here, not in each file, so that one list says which.
+# minute; CI runs them all. Named here, not in each file, so that one list says which.
 SLOW = {
     "tests/launch/test_cli.py::test_bootstrap_enables_lms_in_workers_only_and_chains_sitecustomize",
     "tests/launch/test_cli.py::test_sigterm_writes_the_stats_and_exits_143",

@@ -215,8 +215,8 @@ def test_a_step_is_said_to_be_a_micro_batch():
 
 def test_readme_gives_a_quick_test_command_beside_the_full_one_ci_runs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    quick = 'python -m pytest -q -n 2 -m "not slow" tests  # quick: about 2 minutes on 2 CPU cores'
-    full = "python -m pytest -q -n 2 tests                # all (CI runs this): 9-12 minutes"
+    quick = 'python -m pytest -q -n 2 -m "not slow" tests  # quick: about 1 minute on 2 CPU cores'
+    full = "python -m pytest -q -n 2 tests                # all (CI runs this): about 5 minutes"
     assert quick in readme and full in readme
     assert "\npython -m pytest -q -n 2 tests\n" in (ROOT / ".ci" / "run").read_text()
 
