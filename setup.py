@@ -5,8 +5,12 @@ back to a pure-Python allocator with identical behaviour, so a failed compile
 (no compiler, no pybind11, unsupported platform) must not fail the install.
 """
 
+import os
+import shutil
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 GCC_STYLE_FLAGS = ["-O2", "-std=c++17"]
 MSVC_FLAGS = ["/O2", "/std:c++17"]
@@ -33,6 +37,18 @@ class OptionalBuildExt(build_ext):
         super().build_extension(ext)
 
 
+class BuildPyWithCopyPath(build_py):
+    """build_py that also puts csrc/copy_path.cpp in the package (``lmsrt/_csrc/``): a wheel
+    then carries the source that ``lmsrt.copy_path`` compiles on a GPU's first use (or ``lmsrt
+    build``). An editable install reads csrc/ of the checkout instead."""
+
+    def run(self) -> None:
+        super().run()
+        target = os.path.join(self.build_lib, "lmsrt", "_csrc")
+        os.makedirs(target, exist_ok=True)
+        shutil.copy2(os.path.join("csrc", "copy_path.cpp"), target)
+
+
 setup(
     ext_modules=[
         Extension(
@@ -41,5 +57,5 @@ setup(
             language="c++",
         )
     ],
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithCopyPath},
 )

@@ -43,7 +43,7 @@ from torch import nn
 import lmsrt
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-parser.add_argument("--lms", type=float, default=None, help="LMS threshold in KB (default: off)")
+parser.add_argument("--lms", type=float, default=None, help="LMS threshold in KiB (default: off)")
 parser.add_argument("--lms-frac", type=lambda v: v if v == "auto" else float(v), default="auto",
                     help="GPU use before swapping starts, or auto (lmsrt finds it)")
 parser.add_argument("--batch-size", type=int, default=8)
@@ -71,7 +71,7 @@ if os.environ.get("LMSRT_ACTIVE") == "1":
     print("LMS: enabled by lmsrt run" + (" (this script's --lms is ignored)" if args.lms else ""))
 elif args.lms is not None:
     lms = lmsrt.LMS(lms=args.lms, lms_frac=args.lms_frac, device=None if cuda else "sim")
-    print(f"LMS: enabled by the script (lms={args.lms:g} KB, lms_frac={args.lms_frac})")
+    print(f"LMS: enabled by the script (lms={args.lms:g} KiB, lms_frac={args.lms_frac})")
 else:
     print("LMS: off")
 
@@ -137,7 +137,7 @@ for step in range(args.steps):
     except torch.cuda.OutOfMemoryError as e:
         if lms is not None or os.environ.get("LMSRT_ACTIVE"):
             print(f"step {step}: out of GPU memory with LMS on. Give a low --lms-frac (swap "
-                  "from lower GPU use) or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.\n"
+                  "from lower GPU use), or see README's \"Out of memory?\".\n"
                   f"{e}")
         else:
             print(f"step {step}: out of GPU memory. Enable LMS: --lms 1000, or "

@@ -66,6 +66,7 @@ import time
 from typing import List, Optional
 
 from .files import write_atomic
+from .say import say
 
 __all__ = ["cache_root", "pins_dir", "unsafe", "trusted_dir", "write_file", "say_once", "PinMemo"]
 
@@ -96,7 +97,7 @@ def pins_dir() -> str:
 
 
 def say_once(text: str) -> None:
-    """A line on stderr, once per process.
+    """A note of the ``lmsrt`` logger (``lmsrt.say``), once per process.
 
     Example::
 
@@ -104,7 +105,7 @@ def say_once(text: str) -> None:
     """
     if text not in _said:
         _said.add(text)
-        print(text, file=sys.stderr, flush=True)
+        say(text)
 
 
 def unsafe(path: str, link_ok: bool = True) -> str:

@@ -64,9 +64,13 @@ _loaded: Optional[Tuple[object, str]] = None     # (module or None, why not)
 
 
 def source_path() -> str:
-    """csrc/copy_path.cpp of this checkout (building needs a source install: pip install -e)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
-                        "copy_path.cpp")
+    """csrc/copy_path.cpp: the copy a wheel carries (``lmsrt/_csrc/``, put there by setup.py's
+    build_py), else the checkout's (``pip install -e``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    shipped = os.path.join(here, "_csrc", "copy_path.cpp")
+    if os.path.exists(shipped):
+        return shipped
+    return os.path.join(os.path.dirname(here), "csrc", "copy_path.cpp")
 
 
 def _module_name() -> str:
@@ -142,8 +146,9 @@ def _built_file() -> str:
 def _check_source() -> None:
     if not os.path.exists(source_path()):
         raise FileNotFoundError(
-            f"{source_path()} is not there; the C++ copy path builds from a source checkout "
-            "(git clone, then pip install -e .).")
+            f"{source_path()} is not there; the C++ copy path builds from the source that a "
+            "wheel or a source checkout carries: reinstall lmsrt (pip install lmsrt, or git "
+            "clone, then pip install -e .).")
 
 
 def build(verbose: bool = False) -> str:

@@ -31,9 +31,11 @@ import torch
 from . import copy_path, torch_patches
 from .config import cuda_index
 
-__all__ = ["Device", "CudaDevice", "SimulatedDevice", "resolve_device"]
+__all__ = ["Device", "CudaDevice", "SimulatedDevice", "resolve_device", "sim_capacity",
+           "ENV_SIM_GB"]
 
 _HUGE_PAGE = 2 << 20            # a transparent huge page: a slab is touched in whole ones
+_SIM_DEFAULT = 1 << 30          # 1 GiB: the simulated GPU's size when nothing says otherwise
 
 
 class Device(Protocol):
@@ -372,8 +374,9 @@ class SimulatedDevice:
     torch_device = torch.device("cpu")
     name = "simulated"
 
-    def __init__(self, capacity: int = 1 << 30, pin_limit: Optional[int] = None, copy_lag: int = 0,
-                 strict: bool = False, pin_threads: int = 0, pin_delay: float = 0.0):
+    def __init__(self, capacity: int = _SIM_DEFAULT, pin_limit: Optional[int] = None,
+                 copy_lag: int = 0, strict: bool = False, pin_threads: int = 0,
+                 pin_delay: float = 0.0):
         self.capacity = int(capacity)
         self.strict = strict
         self.failures = 0            # allocations refused at the capacity (strict)
@@ -503,6 +506,30 @@ class SimulatedDevice:
         pass
 
 
+ENV_SIM_GB = "LMSRT_SIM_GB"
+
+
+def sim_capacity(environ=None) -> int:
+    """Bytes the simulated GPU holds: ``LMSRT_SIM_GB`` GiB if set, else 1 GiB (``lmsrt run
+    --gpu-limit G`` under ``LMSRT_DEVICE=sim`` makes it G GiB instead).
+
+    Example::
+
+        sim_capacity({"LMSRT_SIM_GB": "0.25"})      # 268435456
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_SIM_GB, "")
+    if not raw:
+        return _SIM_DEFAULT
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not (gib > 0 and gib < float("inf")):
+        raise ValueError(f"{ENV_SIM_GB}={raw!r} is not a number of GiB > 0; set it to e.g. "
+                         f"{ENV_SIM_GB}=0.5, or unset it")
+    return int(gib * (1 << 30))
+
+
 def resolve_device(spec) -> Optional[Device]:
     """Turn ``None``/``"cuda"``/``"cuda:N"``/``"sim"``/a ``torch.device``/a device object into a
     device, or None.
@@ -518,7 +545,7 @@ def resolve_device(spec) -> Optional[Device]:
         raise TypeError(f"device must be None, 'cuda', 'cuda:N', 'sim' or a torch.device, got "
                         f"{type(spec).__name__} {spec!r}")
     if spec in ("sim", "simulated"):
-        return SimulatedDevice()
+        return SimulatedDevice(capacity=sim_capacity())
     index = cuda_index(spec)
     if not torch.cuda.is_available():
         return None

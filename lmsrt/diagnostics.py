@@ -137,10 +137,10 @@ class Diagnostics:
         if "d2h" in self.given:
             lines.append("  Copies to host memory failed (see the warning given then), so those "
                          "tensors stayed on the GPU.")
-        lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KB) so smaller tensors go too"
+        lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KiB) so smaller tensors go too"
         if policy.swaps_everything() and config.min_bytes <= MiB:
-            lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 KB): "
-                         "what is left is one layer's working set, parameters, gradients and "
+            lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 "
+                         "KiB): what is left is one layer's working set, parameters, gradients and "
                          "optimizer state. Lower the batch size, checkpoint activations "
                          "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
                          "layer.")

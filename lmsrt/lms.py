@@ -16,7 +16,8 @@ from .engine import SwapEngine
 from .options import OPTIONS, describe, spelled
 from .regions import Regions
 from .say import say_once
-from .stats import StepStats, format_summary
+from .stats import StepStats
+from .summary import format_summary
 
 __all__ = ["LMS"]
 
@@ -127,7 +128,7 @@ class LMS:
                 # needs one line.
                 say_once("no-gpu", "lmsrt: no CUDA device is available, so LMS does nothing; "
                          "run on a GPU machine, or simulate one on the CPU: device='sim' (under "
-                         f"lmsrt run: {spelled('device', 'sim')}).", stacklevel=2)
+                         f"lmsrt run: {spelled('device', 'sim')}).", stacklevel=2, warn=True)
         elif config.enabled:
             if not arena.NATIVE:
                 say_once("native", f"lmsrt: the native allocator is not in use "
@@ -229,6 +230,8 @@ class LMS:
         totals = self._engine.run_stats.totals(step) if self._engine else {}
         return {
             "enabled": self.enabled,
+            "off_reason": None if self.enabled else (
+                "no CUDA device" if self._device is None else "lms <= 0"),
             "device": getattr(self._device, "name", None),
             "config": self.config.as_dict(),
             "allocator": arena.native_status(),
@@ -249,9 +252,11 @@ class LMS:
             "compiled": self._compile_advice.stats() if self._compile_advice else None,
         }
 
-    def summary(self) -> str:
-        """One screen: bytes out and in, prefetch hits, waits, GPU and host peaks."""
-        return format_summary(self.stats())
+    def summary(self, full: bool = True) -> str:
+        """The headline (GPU peak against the limit, what a step swapped, rebuilt and
+        recomputed, what lmsrt changed) and, with ``full``, the table of every counter
+        (docs/run.md explains each). One line when LMS is off."""
+        return format_summary(self.stats(), full=full)
 
     def close(self) -> None:
         """Finish copies in flight and give back pinned memory; the LMS cannot be used after."""

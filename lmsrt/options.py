@@ -90,12 +90,12 @@ class Option:
     env: str                    # the LMSRT_* variable LMSConfig.from_env reads
     flag: Optional[str]         # lmsrt run's flag; None: Python and the environment only
     doc: str                    # what it means, for docstrings
-    what: str                   # what a value is, in error messages: "KB; <= 0 turns ..."
+    what: str                   # what a value is, in error messages: "KiB; <= 0 turns ..."
     example: str                # a value to suggest in error messages
     metavar: str = ""           # the flag's value in --help
     help: str = ""              # the flag's help (its variable is added)
     give: str = ""              # the flag's error messages: "give {give}, e.g. {flag} {example}"
-    unit: str = ""              # of a byte count: "KB", "MiB", "GiB"
+    unit: str = ""              # of a byte count: "KiB", "MiB", "GiB"
     scale: int = 0              # bytes per unit of a byte count; 0: not a byte count
     signed: bool = False        # a byte count that may be negative
     bounds: Tuple[float, float] = (0.0, 1.0)   # of a number that is no byte count
@@ -106,12 +106,12 @@ class Option:
 
 OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("lms", 1000.0, float, "LMSRT_LMS", "--lms",
-           doc="size threshold in KB, as Caffe's ``-lms``: saved tensors smaller than this stay "
+           doc="size threshold in KiB, as Caffe's ``-lms``: saved tensors smaller than this stay "
                "on the GPU. ``lms <= 0`` turns swapping off, so a flag can disable it.",
-           what="KB; <= 0 turns swapping off", example="1000", metavar="KB",
+           what="KiB; <= 0 turns swapping off", example="1000", metavar="KIB",
            help="Saved tensors smaller than this stay on the GPU.",
-           give="the size threshold in KB (0 turns swapping off)",
-           unit="KB", scale=KiB, signed=True),
+           give="the size threshold in KiB (0 turns swapping off)",
+           unit="KiB", scale=KiB, signed=True),
     Option("lms_frac", AUTO, Union[float, Literal["auto"]], "LMSRT_LMS_FRAC", "--lms-frac",
            doc="no swapping while this process's GPU use stays under ``lms_frac`` times the "
                "memory it may use (the device's total, or the per-process cap when one is set); "

@@ -1,14 +1,13 @@
-"""Counters of the swap engine, per step and in total, and the one-screen summary."""
+"""Counters of the swap engine, per step and in total (their summary for people: summary.py).
+
+A step is one forward and the backward after it (a micro-batch), not an optimizer step."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 from typing import Deque, Dict
 
-from .units import format_bytes
-
-__all__ = ["StepStats", "RunStats", "SUMMED", "format_brief", "format_summary", "moved",
-           "HISTORY_STEPS"]
+__all__ = ["StepStats", "RunStats", "SUMMED", "HISTORY_STEPS"]
 
 
 def _summed(default):
@@ -137,108 +136,3 @@ class RunStats:
         total["host_pinned_bytes"] = current.host_pinned_bytes
         total["host_pins_in_flight"] = current.host_pins_in_flight
         return total
-
-
-def moved(stats: Dict[str, object]) -> bool:
-    """Whether LMS swapped, rebuilt or recomputed anything in the run ``stats``
-    (``LMS.stats()``) describes."""
-    t = stats["total"]
-    return bool(t["out_bytes"] or t["recipe_bytes"] or t["recomputed_regions"])
-
-
-def format_brief(stats: Dict[str, object]) -> str:
-    """The summary in one line: ``'lmsrt: 6 steps, swapped out 1.50 MiB (12 tensors), ...'``."""
-    t = stats["total"]
-    regions = (f", recomputed {t['recomputed_regions']} region calls "
-               f"({format_bytes(t['recomputed_bytes'])} freed, {t['recompute_ms']:.1f} ms GPU)"
-               if t["recomputed_regions"] else "")
-    return (f"lmsrt: {t['steps']} step{'' if t['steps'] == 1 else 's'}, swapped out "
-            f"{format_bytes(t['out_bytes'])} ({t['out_tensors']} tensors), rebuilt "
-            f"{format_bytes(t['recipe_bytes'])}{regions}, GPU peak "
-            f"{format_bytes(t['gpu_peak_bytes'])}, host pinned peak "
-            f"{format_bytes(t['host_peak_bytes'])}")
-
-
-def format_summary(stats: Dict[str, object]) -> str:
-    """The one-screen summary of ``LMS.stats()``."""
-    t, last = stats["total"], stats["last_step"]
-    frac = stats["config"]["lms_frac"]
-    frac = frac if isinstance(frac, str) else f"{frac:g}"
-    lines = [
-        f"lmsrt  lms={stats['config']['lms']:g} KB  lms_frac={frac}  "
-        f"device={stats['device']}  mark={format_bytes(stats['mark_bytes'])}  "
-        f"allocator={stats['allocator']}  copy path={stats['copy_path']}",
-    ]
-    if last.get("policy_note"):
-        lines.append(f"auto: use kept under {format_bytes(last['bound_bytes'])} (headroom "
-                     f"{format_bytes(last['headroom_bytes'])}), predicted peak "
-                     f"{format_bytes(last['predicted_peak_bytes'])}; {last['policy_note']}")
-    regions = stats.get("regions")
-    recomputed = regions and (regions["planned"] or regions["phase"] == "timing"
-                              or t["recomputed_regions"])
-    if recomputed:
-        lines.append(f"regions: {last['recomputed_regions']} of {regions['regions']} recomputed "
-                     f"last step ({format_bytes(last['recomputed_bytes'])} freed in forward, "
-                     f"{last['recompute_ms']:.1f} ms GPU rerunning them); {regions['note']}")
-    lines.append(f"{'':22}{'last step':>14}{'total':>14}")
-    rows = [
-        ("steps", None, t["steps"]),
-        ("mode", last["mode"], None),
-        ("swapped out", last["out_bytes"], t["out_bytes"]),
-        ("  tensors", last["out_tensors"], t["out_tensors"]),
-        ("  beyond the plan", last["beyond_plan_bytes"], t["beyond_plan_bytes"]),
-        ("swapped in", last["in_bytes"], t["in_bytes"]),
-        *([("rebuilt, not moved", last["recipe_bytes"], t["recipe_bytes"]),
-           ("  rebuilt in backward", last["rebuilt_bytes"], t["rebuilt_bytes"]),
-           ("  rebuild GPU (ms)", last["rebuild_ms"], t["rebuild_ms"]),
-           ("  checked bit for bit", last["rebuild_checks"], t["rebuild_checks"])]
-          if stats["config"].get("recompute") else []),
-        *([("regions recomputed", last["recomputed_regions"], t["recomputed_regions"]),
-           ("  freed in forward", last["recomputed_bytes"], t["recomputed_bytes"]),
-           ("  recompute GPU (ms)", last["recompute_ms"], t["recompute_ms"])]
-          if recomputed else []),
-        ("  prefetch hits", last["prefetch_hits"], t["prefetch_hits"]),
-        ("  prefetch misses", last["prefetch_misses"], t["prefetch_misses"]),
-        ("  prefetch dropped", last["prefetch_dropped"], t["prefetch_dropped"]),
-        ("kept on GPU", last["kept_bytes"], t["kept_bytes"]),
-        ("kept, alive anyway", last["live_bytes"], t["live_bytes"]),
-        ("not eligible (count)", last["skipped_tensors"], t["skipped_tensors"]),
-        ("swap-in wait (ms)", last["swapin_wait_ms"], t["swapin_wait_ms"]),
-        ("swap-out waits", last["swapout_waits"], t["swapout_waits"]),
-        ("host refusals", last["host_refused"], t["host_refused"]),
-        ("allocator retries", last["alloc_retries"], t["alloc_retries"]),
-        ("  failed, caught", last["alloc_failures"], t["alloc_failures"]),
-        ("GPU peak allocated", last["gpu_peak_bytes"], t["gpu_peak_bytes"]),
-        ("host pinned peak", last["host_peak_bytes"], t["host_peak_bytes"]),
-        ("host pinned", last["host_pinned_bytes"], t["host_pinned_bytes"]),
-        ("  pinning (s)", last["host_pin_s"], t["host_pin_s"]),
-        ("  waited for pins (s)", last["host_pin_wait_s"], t["host_pin_wait_s"]),
-        ("  kept, pins late", last["host_lagged"], t["host_lagged"]),
-        *([("  pinned ahead", None, stats["pinned_ahead_bytes"])]
-          if stats.get("pinned_ahead_bytes") else []),
-    ]
-    for name, a, b in rows:
-        cells = []
-        for v in (a, b):
-            if v is None:
-                cells.append(f"{'':>14}")
-            elif isinstance(v, str):
-                cells.append(f"{v:>14}")
-            elif "bytes" in name or name in ("swapped out", "  beyond the plan", "swapped in",
-                                             "kept on GPU",
-                                             "rebuilt, not moved", "  rebuilt in backward",
-                                             "  freed in forward",
-                                             "kept, alive anyway", "GPU peak allocated",
-                                             "host pinned peak", "host pinned",
-                                             "  pinned ahead"):
-                cells.append(f"{format_bytes(v):>14}")
-            elif name.endswith("(s)"):
-                cells.append(f"{v:14.2f}")
-            elif isinstance(v, float):
-                cells.append(f"{v:14.1f}")
-            else:
-                cells.append(f"{v:14d}")
-        lines.append(f"{name:22}" + "".join(cells))
-    for op, why in stats.get("rebuild_refused", {}).items():
-        lines.append(f"not rebuilt: {op} ({why})")
-    return "\n".join(lines)

@@ -1,5 +1,7 @@
+import logging
 import os
 import signal
+import sys
 
 # A suite started in the background of a non-interactive shell (`pytest ... &`, as CI harnesses
 # may) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for it: the tests
@@ -42,12 +44,76 @@ def small_rebuilds_pay(request, monkeypatch):
     rebuild_small_tensors(callspec.params.get("kind", "sim") if callspec else "sim", monkeypatch)
 
 
+class _NotesOnStderr(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(f"lmsrt: {record.getMessage()}\n")
+
+
+@pytest.fixture
+def notes_on_stderr():
+    """lmsrt's notes (the ``lmsrt`` logger) on stderr, one ``lmsrt: ...`` line each, as ``lmsrt
+    run`` prints them: a test reads them with ``capsys``."""
+    handler = _NotesOnStderr()
+    logging.getLogger("lmsrt").addHandler(handler)
+    yield
+    logging.getLogger("lmsrt").removeHandler(handler)
+
+
 def pytest_configure(config):
     if torch.cuda.is_available():
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+
+
+# The tests that take 5 s or more on a 2-core CPU machine (each starts processes, builds C++ or
+# soaks), marked `slow`, so that README's quick command (-m "not slow") runs the rest in about a
+# minute; CI runs them all. Named here, not in each file, so that one list says which.
+SLOW = {
+    "tests/launch/test_cli.py::test_bootstrap_enables_lms_in_workers_only_and_chains_sitecustomize",
+    "tests/launch/test_cli.py::test_sigterm_writes_the_stats_and_exits_143",
+    "tests/launch/test_cli.py::test_stats_file_of_an_unmodified_script",
+    "tests/launch/test_cli.py::test_torchrun_workers_enable_lms",
+    "tests/launch/test_first_hour.py::test_bad_summary_variable_exits_2_before_the_script",
+    "tests/launch/test_first_hour.py::test_no_gpu_warning_is_one_line_with_the_launchers_way",
+    "tests/launch/test_first_hour.py::test_summary_headline_and_table",
+    "tests/launch/test_first_hour.py::test_what_python_runs_lmsrt_runs_with_the_same_file_and_path",
+    "tests/launch/test_tune.py::test_bisection_sweep_end_to_end",
+    "tests/launch/test_tune.py::test_ctrl_c_keeps_the_finished_trials",
+    "tests/launch/test_tune.py::test_every_way_a_trial_ends",
+    "tests/launch/test_tune.py::test_param_sweep_substitutes_the_scripts_flag",
+    "tests/launch/test_tune.py::test_timeout_kills_the_trial_and_what_it_started",
+    "tests/launch/test_tune_noise.py::test_the_same_crash_twice_stops_tune_and_blames_the_script",
+    "tests/profiler/test_report.py::test_profile_as_a_process",
+    "tests/profiler/test_report.py::test_segnet_example_answers_from_shapes",
+    "tests/test_arena.py::test_random_operations_keep_invariants",
+    "tests/test_compiled.py::test_lmsrt_run_compiles_a_whole_model_block_by_block",
+    "tests/test_compiled.py::test_model_compiled_whole_swaps_between_blocks",
+    "tests/test_copy_path.py::test_a_second_cache_in_one_process_builds_and_loads_there",
+    "tests/test_copy_path.py::test_first_use_on_a_gpu_builds_once_for_concurrent_processes",
+    "tests/test_examples.py::test_gpt_example_compiled_under_lmsrt_run_on_cpu",
+    "tests/test_examples.py::test_gpt_example_on_cpu_direct_and_under_lmsrt_run",
+    "tests/test_examples.py::test_segnet_example_on_cpu",
+    "tests/test_integrity.py::test_lmsrt_run_exits_130_on_every_ctrl_c",
+    "tests/test_integrity.py::test_soak_threads_keep_counts_host_and_python_memory_flat",
+    "tests/test_integrity.py::test_torch_func_script_under_lmsrt_run",
+    "tests/test_multigpu.py::test_fsdp2_losses_identical_with_lms",
+    "tests/test_native_hooks.py::test_a_step_that_keeps_everything_is_decided_in_cpp_with_the_same_counts",
+    "tests/test_policy.py::test_batches_of_changing_size_train_exactly",
+    "tests/test_rebuild.py::test_an_interrupt_anywhere_in_a_rebuild_leaves_the_lms_usable",
+    "tests/test_rebuild.py::test_the_recorder_loads_no_compiler_until_one_is_loaded",
+    "tests/test_reliability.py::test_interrupts_and_exits_leave_a_clean_process",
+    "tests/test_reliability.py::test_soak_1000_steps_with_changing_shapes",
+    "tests/test_reliability.py::test_torch_compile_is_detected_and_stays_exact",
+}
+SLOW_FIXTURES = {"native"}        # builds the C++ copy path for the CPU first (about 100 s)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW or SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_setup(item):

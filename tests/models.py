@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import re
 import shutil
 import warnings
 
@@ -13,6 +15,7 @@ from torch import nn
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
+from lmsrt.say import PREFIX
 
 # Every check runs on the simulated device, and on CUDA under the `cuda` marker.
 DEVICES = [pytest.param("sim", id="sim"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
@@ -186,9 +189,25 @@ def run_threads(work, args, timeout: float = 120.0) -> None:
 
 @contextlib.contextmanager
 def lmsrt_warnings():
-    """Collects the message of every lmsrt warning given inside, however often one repeats."""
+    """Collects the message of every lmsrt note (a record of the ``lmsrt`` logger, given its
+    ``lmsrt: `` back) and warning given inside, however often one repeats."""
     said = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield said
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(PREFIX + record.getMessage())
+    logger = logging.getLogger("lmsrt")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield said
+    finally:
+        logger.removeHandler(handler)
     said.extend(str(w.message) for w in caught if str(w.message).startswith("lmsrt:"))
+
+
+@contextlib.contextmanager
+def says(pattern: str):
+    """Fails unless lmsrt says something that ``pattern`` matches inside (``lmsrt_warnings``)."""
+    with lmsrt_warnings() as said:
+        yield said
+    assert any(re.search(pattern, text) for text in said), said

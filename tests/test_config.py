@@ -11,9 +11,9 @@ BYTE_COUNTS = {"lms": "min_bytes", "prefetch_mb": "prefetch_bytes",
 
 
 @pytest.mark.parametrize("setting, value, message", [
-    ("lms", 1e306, "lms must be in [-9.0072e+15, 9.0072e+15] KB (its byte count must fit in 64 "
+    ("lms", 1e306, "lms must be in [-9.0072e+15, 9.0072e+15] KiB (its byte count must fit in 64 "
                    "bits), got 1e+306; give e.g. lms=1000"),
-    pytest.param("lms", 10**400, "lms must be in [-9.0072e+15, 9.0072e+15] KB",   # beyond floats
+    pytest.param("lms", 10**400, "lms must be in [-9.0072e+15, 9.0072e+15] KiB",   # beyond floats
                  id="lms-10**400"),
     pytest.param("lms", -10**400, "got -10000000000... (401 digits)", id="lms--10**400"),
     ("lms", -1e308, "lms must be in [-9.0072e+15"),
@@ -49,10 +49,10 @@ def test_swapping_off_at_any_negative_lms():
 
 
 @pytest.mark.parametrize("var, raw, message", [
-    ("LMSRT_LMS", "1e306", "LMSRT_LMS must be in [-9.0072e+15, 9.0072e+15] KB (its byte count "
+    ("LMSRT_LMS", "1e306", "LMSRT_LMS must be in [-9.0072e+15, 9.0072e+15] KiB (its byte count "
                            "must fit in 64 bits), got 1e+306; set it to e.g. LMSRT_LMS=1000, or "
                            "unset it"),
-    ("LMSRT_LMS", "inf", "LMSRT_LMS must be finite (KB; <= 0 turns swapping off), got inf"),
+    ("LMSRT_LMS", "inf", "LMSRT_LMS must be finite (KiB; <= 0 turns swapping off), got inf"),
     ("LMSRT_PREFETCH_MB", "1e308", "LMSRT_PREFETCH_MB must be in [0, 8.79609e+12] MiB"),
     ("LMSRT_HOST_BUDGET_GB", "1e300", "set it to e.g. LMSRT_HOST_BUDGET_GB=64, or unset it"),
     ("LMSRT_LMS_FRAC", "nan", "LMSRT_LMS_FRAC must be finite (in [0, 1]), got nan"),

@@ -1,10 +1,10 @@
 """The engine's messages (`lmsrt.diagnostics`): each one-time warning once, and an out-of-memory
 error that names settings as the option table spells them. The engine's own tests
 (test_reliability.py) check that these reach the user."""
-import warnings
 
 import pytest
 import torch
+from models import lmsrt_warnings
 
 from lmsrt.config import LMSConfig
 from lmsrt.diagnostics import Diagnostics
@@ -30,7 +30,7 @@ def test_oom_hints_spell_settings_as_the_option_table_does(lms_frac):
     assert text.startswith("CUDA out of memory.\nlmsrt: out of GPU memory with LMS on, in forward")
     assert "saved 12th in forward" in text
     assert f"({spelled('host_budget_gb')})" in text
-    assert f"({spelled('lms')}, now 4096 KB)" in text
+    assert f"({spelled('lms')}, now 4096 KiB)" in text
     if lms_frac == "auto":
         assert f"({spelled('lms_frac', 0.5)}, say)" in text
     else:
@@ -49,12 +49,10 @@ def test_an_error_is_annotated_once():
 
 def test_each_warning_is_given_once():
     diagnostics = Diagnostics()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with lmsrt_warnings() as said:
         for _ in range(3):
             diagnostics.alloc_retries(StepStats(step=2, alloc_retries=2))
             diagnostics.copy_out_failed(1 << 20, RuntimeError("injected"))
             diagnostics.unswappable(torch.nn.Parameter(torch.zeros(1)))
-    said = [str(w.message) for w in caught]
     assert len(said) == 3 and diagnostics.given == {"retries", "d2h", "kind"}, said
     assert "ran out of room 2 times" in said[0] and "injected" in said[1] and "Parameter" in said[2]

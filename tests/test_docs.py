@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lmsrt._cli import main
+from lmsrt._cli import COMMANDS, main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -111,17 +111,17 @@ def bad_values(command: click.Command, own):
 @pytest.mark.parametrize("command", _shown_commands())
 def test_each_command_shown_parses(command):
     name, *args = command
-    assert name in main.commands, f"lmsrt has no subcommand {name!r}: {sorted(main.commands)}"
-    own = lmsrt_options(main.commands[name], args)
+    assert name in COMMANDS, f"lmsrt has no subcommand {name!r}: {sorted(COMMANDS)}"
+    own = lmsrt_options(main.get_command(None, name), args)
     result = CliRunner().invoke(main, [name, *own, "--help"])
     assert result.exit_code == 0 and "Usage:" in result.output, (own, result.output)
-    assert not bad_values(main.commands[name], own)
+    assert not bad_values(main.get_command(None, name), own)
 
 
 def test_an_option_that_is_not_there_fails():
     # The check above can fail: a flag lmsrt run does not have is an error, a flag after the
     # script is the script's.
-    run = main.commands["run"]
+    run = main.get_command(None, "run")
     own = lmsrt_options(run, ["--lms", "1000", "--no-such", "train.py", "--epochs", "3"])
     assert own == ["--lms", "1000", "--no-such"]
     assert CliRunner().invoke(main, ["run", *own, "--help"]).exit_code == 2
@@ -130,9 +130,9 @@ def test_an_option_that_is_not_there_fails():
     assert bad_values(run, ["--lms-frac", "2", "--lms=abc", "-m", "--gpu-limit", "12"]) == [
         "--lms-frac 2: 2 is not in [0, 1]; give the fraction of GPU memory used before swapping "
         "starts, or auto, e.g. --lms-frac 0.75",
-        "--lms abc: 'abc' is not a number; give the size threshold in KB (0 turns swapping off), "
+        "--lms abc: 'abc' is not a number; give the size threshold in KiB (0 turns swapping off), "
         "e.g. --lms 1000"]
-    tune = main.commands["tune"]
+    tune = main.get_command(None, "tune")
     assert lmsrt_options(tune, ["--grid", "--steps", "6", "--", "train.py", "--grid"]) == \
         ["--grid", "--steps", "6"]
 
@@ -189,6 +189,60 @@ def test_readme_settings_table_is_the_options_table():
 def test_readme_states_the_torch_that_pyproject_requires():
     """The floor in pyproject.toml is the one README gives a reason for."""
     floor = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert f"needs torch {floor}\nor later" in (ROOT / "README.md").read_text()
+    assert f"needs torch {floor} or later" in " ".join((ROOT / "README.md").read_text().split())
     assert hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
 
+
+
+def _words(path: str) -> str:
+    return " ".join((ROOT / path).read_text(encoding="utf-8").split())
+
+
+def test_run_md_explains_every_term_of_the_summary():
+    from lmsrt.summary import LABELS
+
+    run = _words("docs/run.md")
+    assert not [label for label in LABELS if f"**{label}**" not in run]
+
+
+def test_a_step_is_said_to_be_a_micro_batch():
+    assert "A **step** is one forward and the backward after it: one micro-batch" in \
+        _words("docs/run.md")
+    assert "micro-batch, not an optimizer step" in _words("docs/tune.md")
+    assert "A step is one forward and backward (a micro-batch), not an optimizer step" in \
+        _words("README.md")
+
+
+def test_readme_gives_a_quick_test_command_beside_the_full_one_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick = 'python -m pytest -q -n 2 -m "not slow" tests  # quick: about 1 minute on 2 CPU cores'
+    full = "python -m pytest -q -n 2 tests                # all (CI runs this): about 5 minutes"
+    assert quick in readme and full in readme
+    assert "\npython -m pytest -q -n 2 tests\n" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_byte_units_are_stated_truly():
+    rows = {line.split("|")[1].strip(): line for line in
+            (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")}
+    assert "| KiB (1024 bytes);" in rows["`lms`"] and "(GiB, 2^30 bytes" in rows["`host_budget_gb`"]
+
+
+def test_the_simulated_device_and_its_size_are_documented():
+    from lmsrt.device import ENV_SIM_GB, sim_capacity
+    from lmsrt.units import GiB
+
+    assert sim_capacity({}) == GiB
+    assert f"1 GiB unless `{ENV_SIM_GB}` says otherwise" in _words("docs/run.md")
+    assert ENV_SIM_GB in _words("README.md")
+
+
+def test_examples_leave_expandable_segments_to_lmsrt():
+    told = [str(path.relative_to(ROOT)) for path in [*(ROOT / "examples").glob("*.py"),
+                                                   ROOT / "docs" / "tune.md", ROOT / "README.md"]
+            if "expandable_segments:True" in path.read_text(encoding="utf-8")]
+    assert not told
+
+
+def test_native_md_says_lmsrt_build_compiles_on_a_cpu_machine():
+    assert "`lmsrt build` compiles it there too, against CPU torch" in _words("docs/native.md")

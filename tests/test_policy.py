@@ -12,12 +12,11 @@ import gc
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from models import assert_same, train_step, transformer
+from models import assert_same, lmsrt_warnings, says, train_step, transformer
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
@@ -541,15 +540,14 @@ def test_copies_fetched_ahead_make_way_when_backward_holds_more_than_predicted(m
     predicted it, and what the plan keeps cannot be given back (it did not fail before the
     swap levels counted, at each point, the storages the learning step had seen freed there:
     a level short by one storage swapped one the plan keeps, and left room by accident)."""
-    said = pytest.warns(RuntimeWarning, match="failed at the memory limit")
+    said = says("failed at the memory limit")
     with monkeypatch.context() as m, said:
         _, stats, fell_back = _surprised(False, m)
     assert fell_back > 1
     assert sum(s["alloc_failures"] for s in _steps(stats)) == fell_back
     assert any(s["alloc_failures"] for s in _steps(stats)[2:])
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)     # said for the first step's failure
+    with lmsrt_warnings():                                  # said for the first step's failure
         grads, stats, fell_back = _surprised(True, monkeypatch)
     assert fell_back <= 1
     steps = _steps(stats)

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from click.testing import CliRunner
+from models import says
 
 import lmsrt
 import lmsrt.cache as cache
@@ -72,7 +73,8 @@ def _hostile_records(tmp_path, path):
     ]
 
 
-def test_hostile_records_are_ignored_with_one_line_and_never_block(tmp_path, capsys):
+def test_hostile_records_are_ignored_with_one_line_and_never_block(tmp_path, capsys,
+                                                                  notes_on_stderr):
     path = _record_path()
     for name, plant in _hostile_records(tmp_path, path):
         cache._said.clear()
@@ -90,12 +92,12 @@ def test_pinned_ahead_counts_only_what_was_pinned(tmp_path):
     """A record asking for more than the budget allows, or a pin that fails: the stats say what
     was pinned, not what the record asked for."""
     pool = HostPool(SimulatedDevice(), budget=3 * MiB)
-    with pytest.warns(RuntimeWarning, match="budget is reached"):
+    with says("budget is reached"):
         pool.pin_slabs([MiB, 4 * MiB, MiB])    # the second does not fit: pinning stops there
     assert pool.pinned_ahead == pool.pinned_bytes == MiB
     failing = HostPool(SimulatedDevice(pin_limit=3 * MiB // 2), budget=GiB)
     failing.pin_slabs([MiB, MiB])              # the second pin fails as it is made
-    with pytest.warns(RuntimeWarning, match="failed"):
+    with says("failed"):
         failing._adopt()
     assert failing.pinned_ahead == failing.pinned_bytes == MiB
 
@@ -110,7 +112,7 @@ def test_pinned_ahead_counts_only_what_was_pinned(tmp_path):
     assert cache.trusted_dir(os.path.dirname(path)) == ""
     with open(path, "w") as f:
         json.dump({"slabs": [1 << 39]}, f)     # within the record's bounds, over the budget
-    with pytest.warns(RuntimeWarning, match="budget is reached"):
+    with says("budget is reached"):
         lms = make()
     assert lms._engine.memo.recalled == [1 << 39]
     assert lms.stats()["pinned_ahead_bytes"] == lms._engine.host.pinned_bytes == 0
@@ -167,7 +169,7 @@ def test_a_link_planted_at_a_temporary_name_is_not_followed(tmp_path):
 @pytest.mark.parametrize("how", ["pins is a link", "pins is group-writable",
                                  "cache is world-writable", "pins is another user's"])
 def test_an_untrusted_records_folder_is_neither_read_nor_written(tmp_path, monkeypatch, capsys,
-                                                                  how):
+                                                                 notes_on_stderr, how):
     root = tmp_path / "cache"
     pins = root / "pins"
     elsewhere = tmp_path / "elsewhere"
@@ -241,7 +243,8 @@ def test_a_build_of_ones_own_is_loaded(planted):
 
 @pytest.mark.parametrize("how", ["folder group-writable", "file world-writable",
                                  "cache group-writable", "folder a link", "file another user's"])
-def test_a_build_others_could_write_is_not_loaded(planted, tmp_path, monkeypatch, capsys, how):
+def test_a_build_others_could_write_is_not_loaded(planted, tmp_path, monkeypatch, capsys, how,
+                                                   notes_on_stderr):
     folder, so = planted
     if how == "folder group-writable":
         os.chmod(folder, 0o770)

@@ -78,6 +78,7 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     # Absolute, in case the script changes directory.
     html, png, snapshot = (_output_path(p, flag) for p, flag in
                            ((html, "--html"), (png, "--png"), (snapshot, "--snapshot")))
+    _check_outputs_possible(png, snapshot)
     if gpu_limit is not None:
         _apply_gpu_limit(gpu_limit)
     rec, status, where = _run_step(script, args, steps, snapshot)
@@ -115,10 +116,19 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
             status = status or 1
     if snapshot and rec.measured:
         click.echo(f"wrote the memory snapshot to {snapshot} (open it in pytorch.org/memory_viz)")
-    elif snapshot:
-        click.echo("lmsrt: --snapshot needs a CUDA GPU; the step ran on "
-                   f"{report.device}, so no snapshot was written.", err=True)
     raise SystemExit(status)
+
+
+def _check_outputs_possible(png: Optional[str], snapshot: Optional[str]) -> None:
+    """An output asked for that this machine cannot make exits 2 before the script runs, not
+    with status 0 and nothing written after it."""
+    if png and not render.have_matplotlib():
+        raise click.UsageError(f"--png: {render.MATPLOTLIB_MISSING} (or leave --png out; "
+                               "--html draws the timeline without it).")
+    if snapshot and not torch.cuda.is_available():
+        raise click.UsageError("--snapshot needs a CUDA GPU, and this machine has none: "
+                               "PyTorch's memory snapshot records the CUDA allocator. Leave "
+                               "--snapshot out, or run on a GPU machine.")
 
 
 def _apply_gpu_limit(limit_gb: float) -> None:

@@ -26,11 +26,12 @@ from ..launch.session import (
     ENV_LAUNCHER_PID,
     ENV_STATS,
     ENV_SUMMARY,
+    STATS_STDOUT,
     check_environment,
     check_gpu_limit,
     start,
 )
-from ..options import OPTIONS, env_value
+from ..options import OPTIONS, env_value, spelled
 from ._types import Choice, Number, setting_options, settings_given
 
 __all__ = ["command"]
@@ -152,19 +153,21 @@ class _RunCommand(click.Command):
               metavar="GIB", help="Cap each process's GPU memory, as a smaller GPU would.")
 @click.option("--stats", type=click.Path(), metavar="FILE",
               help="Write LMS stats and step times as JSON at exit, also after SIGTERM (rank "
-              "r>0: FILE.rank{r}). FILE must be a regular file or new, not a symlink; it is "
-              "replaced whole, and kept as it was if writing fails.")
+              "r>0: FILE.rank{r}); - or /dev/stdout: to standard output. FILE must be a regular "
+              "file or new, not a symlink; it is replaced whole, and kept as it was if writing "
+              "fails.")
 @click.option("-q", "--quiet", is_flag=True,
               help="No summary at exit (--stats still writes the stats).")
-@click.option("--summary", "full_summary", is_flag=True,
-              help="The summary table at exit always. Without --summary or --quiet: the table "
-              "when LMS swapped or rebuilt something, else one line; after the script's "
-              "traceback, one line.")
+@click.option("--summary", "summary_mode", type=click.Choice(["line", "full"]), default=None,
+              help="At exit: line (the default) prints the headline: steps, settled step time, "
+              "GPU peak against the limit, what a step swapped, rebuilt and recomputed; full "
+              "adds the table of every counter (docs/run.md explains each).")
 @click.option("-m", "--module", "as_module", is_flag=True,
               help="Run a module, as python -m does: lmsrt run -m pkg.train ARGS.")
 @_torchrun_options
 @click.argument("target_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
-def command(gpu_limit: Optional[float], stats: Optional[str], quiet: bool, full_summary: bool,
+def command(gpu_limit: Optional[float], stats: Optional[str], quiet: bool,
+            summary_mode: Optional[str],
             as_module: bool, target_and_args: Sequence[str], **options: object) -> None:
     """Run SCRIPT with LMS enabled from its first line to its last, unmodified.
 
@@ -178,29 +181,35 @@ def command(gpu_limit: Optional[float], stats: Optional[str], quiet: bool, full_
       lmsrt run --lms 1000 --lms-frac 0.75 train.py --epochs 3
       lmsrt run --lms-frac auto train.py
       lmsrt run --gpu-limit 12 --stats stats.json -m mypkg.train --lr 1e-3
+      LMSRT_DEVICE=sim lmsrt run --gpu-limit 0.5 --summary full train.py
       lmsrt run --nproc-per-node 8 --lms-frac 0.6 train.py --batch-size 16
     """
     if not target_and_args:
         raise click.UsageError("no script given; name the script to run after the options, e.g. "
                                "lmsrt run --lms 1000 train.py (or -m pkg.module).")
-    if quiet and full_summary:
+    if quiet and summary_mode:
         raise click.UsageError("--quiet and --summary ask for opposite things; give one.")
     target, args = target_and_args[0], list(target_and_args[1:])
+    if args[:1] == ["--"]:
+        args = args[1:]        # as torchrun does: `lmsrt run train.py -- --flag` passes --flag
     _check_target(target, as_module)
     settings = settings_given(options)
-    summary = "off" if quiet else "on" if full_summary else None
+    summary = "off" if quiet else summary_mode
     try:
         check_environment(lms_overrides=settings)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     stats_path = None
-    if stats:
+    if stats in STATS_STDOUT:
+        stats_path = stats
+    elif stats:
         try:
             stats_path = check_output_file(stats)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="'--stats'") from None
     forwarded = _forwarded_torchrun_args(options)
-    if gpu_limit is not None and not _gpu_limit_applies(gpu_limit):
+    device = settings.get("device") or os.environ.get(OPTIONS["device"].env)
+    if gpu_limit is not None and not _gpu_limit_applies(gpu_limit, device):
         gpu_limit = None
     if forwarded:
         _exec_torchrun(forwarded, target, args, as_module, settings, stats_path, gpu_limit,
@@ -228,13 +237,16 @@ def _check_target(target: str, as_module: bool) -> None:
             raise click.UsageError(str(e)) from None
 
 
-def _gpu_limit_applies(limit_gb: float) -> bool:
-    """Validate --gpu-limit against the GPU; False (after a warning) without one."""
+def _gpu_limit_applies(limit_gb: float, device: Optional[str]) -> bool:
+    """Validate --gpu-limit against the GPU; False (after a warning) without one. Under
+    LMSRT_DEVICE=sim it is the simulated GPU's size (``session.start``)."""
+    if device in ("sim", "simulated"):
+        return True
     import torch
 
     if not torch.cuda.is_available():
-        click.echo(f"lmsrt: warning: no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored.",
-                   err=True)
+        click.echo(f"lmsrt: warning: no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored "
+                   f"(under {spelled('device', 'sim')} it is the simulated GPU's size).", err=True)
         return False
     try:
         check_gpu_limit(limit_gb)

@@ -10,9 +10,11 @@ writes what they found.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
+import statistics
 import sys
 from typing import List, Optional, Sequence, Tuple
 
@@ -80,14 +82,14 @@ class _ParamValues(click.ParamType):
 
 _LMS_FLAG, _FRAC_FLAG = OPTIONS["lms"].flag, OPTIONS["lms_frac"].flag
 _LMS = Number(0.0, setting_range("lms")[1], low_open=True,
-              example=f"give KB > 0, e.g. {_LMS_FLAG} 250,1000,4000")
+              example=f"give KiB > 0, e.g. {_LMS_FLAG} 250,1000,4000")
 _FRAC = Number(*setting_range("lms_frac"), words=OPTIONS["lms_frac"].words,
                example=f"give fractions of GPU memory or auto, e.g. {_FRAC_FLAG} auto,0,0.5,0.9")
 
 
 @click.command("tune", context_settings=dict(allow_interspersed_args=False))
 @click.option(_LMS_FLAG, "lms_values", type=_NumberList(_LMS), default="250,500,1000,4000",
-              show_default=True, metavar="KB,...", help=f"The {_LMS_FLAG} values to try.")
+              show_default=True, metavar="KIB,...", help=f"The {_LMS_FLAG} values to try.")
 @click.option(_FRAC_FLAG, "fracs", type=_NumberList(_FRAC), default=None,
               show_default="auto, then 0, 0.05, ..., 1", metavar="auto,F,...",
               help=f"The {_FRAC_FLAG} values. Order of trials: auto (the engine finds the "
@@ -156,7 +158,7 @@ def command(lms_values: Tuple[float, ...], fracs: Optional[Tuple[object, ...]],
         click.echo(f"lmsrt tune: warning: --steps {steps} leaves fewer than {MIN_TIMED} timed "
                    f"steps after the warm-up, so no trial can be compared; give --steps "
                    f"{MIN_STEPS} or more.", err=True)
-    view = _LiveView(names)
+    view = _LiveView(names, expected_trials(sweep))
 
     def done(trial: Trial) -> None:
         view.done(trial)
@@ -214,19 +216,41 @@ def _table(trials: Sequence[Trial], names: List[str], marks: Optional[dict] = No
     return lines
 
 
-class _LiveView:
-    """The trial in flight on one line of stderr (redrawn on a terminal), finished ones as rows
-    of a table on stdout."""
+def expected_trials(sweep: Sweep) -> int:
+    """About how many trials ``sweep`` runs, repeats left out: a grid runs every pair; a
+    bisection runs auto at every --lms, halves the fractions, then tries each other --lms at the
+    best fraction and the one below (NOTE [ Tuning search ])."""
+    numbers = [f for f in sweep.fracs if f != AUTO]
+    autos = len(sweep.lms_values) if AUTO in sweep.fracs else 0
+    if sweep.grid:
+        each = len(sweep.lms_values) * len(numbers) + autos
+    else:
+        each = autos + (math.ceil(math.log2(len(numbers) + 1)) + 2 * (len(sweep.lms_values) - 1)
+                        if numbers else 0)
+    return max(1, each) * len(sweep.combinations())
 
-    def __init__(self, names: List[str]):
+
+class _LiveView:
+    """The trial in flight on one line of stderr, with how many are left and about how long
+    they take (redrawn on a terminal), finished ones as rows of a table on stdout."""
+
+    def __init__(self, names: List[str], expected: int):
         self.names = names
         self.redraw = sys.stderr.isatty()
         self.rows = 0
+        self.expected = expected
+        self.walls: List[float] = []
 
-    @staticmethod
-    def _label(t: Trial) -> str:
+    def _label(self, t: Trial) -> str:
         params = "".join(f" {k}={v}" for k, v in t.params.items())
-        return f"trial {t.id}: lms={t.lms:g} lms_frac={format_setting(t.lms_frac)}{params}"
+        total = max(self.expected, t.id)
+        left = ""
+        if self.walls:
+            seconds = statistics.mean(self.walls) * (total - t.id + 1)
+            left = f", about {seconds / 60:.0f} min left" if seconds >= 90 else \
+                f", about {seconds:.0f} s left"
+        return (f"trial {t.id} of ~{total}{left}: lms={t.lms:g} "
+                f"lms_frac={format_setting(t.lms_frac)}{params}")
 
     def start(self, trial: Trial) -> None:
         if self.redraw:
@@ -243,6 +267,7 @@ class _LiveView:
             click.echo("\r\033[K", err=True, nl=False)
 
     def done(self, trial: Trial) -> None:
+        self.walls.append(trial.wall_s or 0.0)
         self.clear()
         lines = _table([trial], self.names)
         click.echo("\n".join(lines if self.rows == 0 else lines[1:]))

@@ -19,13 +19,14 @@ passed in the environment:
                                      N + 1 would start (``lmsrt tune`` sets it for its trials)
     LMSRT_ACTIVE=1                   set by ``start()``: a script that enables LMS itself reads it
                                      and does not enable it a second time (see examples/)
-    LMSRT_SUMMARY=auto|on|off        the summary at exit (rank 0, stderr): ``auto`` (the default)
-                                     prints the table when LMS swapped or rebuilt something, else
-                                     one line, and after the script's traceback one line only;
-                                     ``on`` always the table (``lmsrt run --summary``), ``off``
-                                     nothing (``lmsrt run --quiet``)
+    LMSRT_SUMMARY=line|full|off      the summary at exit (rank 0, stderr): ``line`` (the default)
+                                     its headline, ``full`` the headline and the table (``lmsrt
+                                     run --summary full``; after the script's traceback the
+                                     headline only), ``off`` nothing (``lmsrt run --quiet``)
     LMSRT_BOOTSTRAP, LMSRT_LAUNCHER_PID   tell the bootstrap which processes are workers
 
+lmsrt's notes (the ``lmsrt`` logger, ``lmsrt/say.py``) print on stderr as one ``lmsrt: ...`` line
+each, through the handler ``start()`` installs, unless the script configures logging itself.
 Warnings whose message starts with ``lmsrt:`` print as that one line, without the source line
 of lmsrt's that raised them (a launcher user did not write it); the script's own warnings print
 as python prints them.
@@ -38,6 +39,7 @@ Example (what the bootstrap does)::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -49,14 +51,15 @@ import warnings
 from typing import Callable, Dict, List, Mapping, Optional
 
 from .. import __version__
-from ..options import OPTIONS
-from ..stats import format_brief, format_summary, moved
+from ..options import OPTIONS, spelled
+from ..say import install_stderr_handler, say
+from ..summary import format_off, format_summary
 from ..units import GiB
 from .output import check_output_file, write_atomic
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS",
            "ENV_SUMMARY", "SUMMARY_MODES", "STATS_SCHEMA", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID",
-           "Session", "StepClock", "check_environment", "check_gpu_limit", "start",
+           "STATS_STDOUT", "Session", "StepClock", "check_environment", "check_gpu_limit", "start",
            "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
@@ -64,7 +67,7 @@ ENV_STATS = "LMSRT_STATS"
 ENV_GPU_LIMIT = "LMSRT_GPU_LIMIT_GB"
 ENV_MAX_STEPS = "LMSRT_MAX_STEPS"
 ENV_SUMMARY = "LMSRT_SUMMARY"
-SUMMARY_MODES = ("auto", "on", "off")
+SUMMARY_MODES = ("line", "full", "off")
 ENV_BOOTSTRAP = "LMSRT_BOOTSTRAP"
 ENV_LAUNCHER_PID = "LMSRT_LAUNCHER_PID"
 
@@ -112,9 +115,22 @@ class StepClock:
         return times[WARMUP_STEPS:] or times
 
 
+# ``--stats -`` (or /dev/stdout): the stats go to standard output, every rank's to its own.
+STATS_STDOUT = ("-", "/dev/stdout")
+
+
 def stats_path_for_rank(path: str, rank: int) -> str:
-    """Rank 0 writes ``path`` itself, rank r writes ``path.rank{r}``."""
-    return path if rank == 0 else f"{path}.rank{rank}"
+    """Rank 0 writes ``path`` itself, rank r writes ``path.rank{r}`` (stdout: its own)."""
+    return path if rank == 0 or path in STATS_STDOUT else f"{path}.rank{rank}"
+
+
+def _write_stats(path: str, data: Dict[str, object]) -> None:
+    if path in STATS_STDOUT:
+        sys.stdout.flush()
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+        sys.stdout.flush()
+    else:
+        write_atomic(path, lambda f: json.dump(data, f, indent=1))
 
 
 class Session:
@@ -131,7 +147,7 @@ class Session:
     """
 
     def __init__(self, lms, stats_path: Optional[str] = None, rank: int = 0, world_size: int = 1,
-                 max_steps: Optional[int] = None, summary: str = "auto"):
+                 max_steps: Optional[int] = None, summary: str = "line"):
         self.lms = lms
         self.summary = summary
         self.stats_path = stats_path
@@ -142,6 +158,8 @@ class Session:
         self._finished = False
         self._sigterm = None         # the SIGTERM handler to put back, when start() replaced it
         self._formatwarning = None   # warnings.formatwarning to put back, when start() replaced it
+        self.optimizer_steps = 0     # torch.optim steps taken (a step of LMS is a micro-batch)
+        self._optimizer_hook = None
 
     def start(self) -> "Session":
         self.lms.__enter__()
@@ -153,8 +171,14 @@ class Session:
             # the script's set-up, which is no step time.
             self.clock = StepClock(self.max_steps)
             self.lms.add_step_listener(self.clock)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._optimizer_hook = register_optimizer_step_post_hook(self._count_optimizer_step)
         os.environ[ENV_ACTIVE] = "1"
         return self
+
+    def _count_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.optimizer_steps += 1
 
     def stats(self) -> Dict[str, object]:
         """``LMS.stats()`` plus ``step_times_s`` (from step 2 on), ``step_time_median_s`` (without
@@ -170,6 +194,7 @@ class Session:
         data["step_times_s"] = times
         data["step_time_median_s"] = statistics.median(steady) if steady else None
         data["step_time_warmup"] = len(times) - len(steady)
+        data["optimizer_steps"] = self.optimizer_steps
         data["rank"] = self.rank
         data["world_size"] = self.world_size
         return data
@@ -190,37 +215,41 @@ class Session:
             failed = getattr(sys, "last_value", None) is not None
         if self._formatwarning is not None:
             warnings.formatwarning = self._formatwarning
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
         if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
             signal.signal(signal.SIGTERM, self._sigterm)   # a second SIGTERM ends it at once
         written = True
         try:
             self.lms.__exit__(None, None, None)
         except Exception as e:   # noqa: BLE001 - the script left other hooks on the stack
-            print(f"lmsrt: could not remove the LMS hooks cleanly ({e})", file=sys.stderr)
+            say(f"could not remove the LMS hooks cleanly ({e})")
         try:
             if self.stats_path:
                 path = stats_path_for_rank(self.stats_path, self.rank)
                 try:
-                    write_atomic(path, lambda f: json.dump(self.stats(), f, indent=1))
+                    _write_stats(path, self.stats())
                 except OSError as e:
                     written = False
-                    print(f"lmsrt: could not write the stats to {path} ({e}); give --stats a "
-                          "path on a file system with room, that nothing else writes.",
-                          file=sys.stderr)
-            if self.rank == 0 and self.lms.enabled and self.summary != "off":
+                    say(f"could not write the stats to {path} ({e}); give --stats a path on "
+                        "a file system with room, that nothing else writes.",
+                        level=logging.ERROR)
+            text = self._summary(failed) if self.rank == 0 and self.summary != "off" else ""
+            if text:
                 sys.stdout.flush()
-                print(self._summary(failed), file=sys.stderr, flush=True)
+                print(text, file=sys.stderr, flush=True)
         finally:
             self.lms.close()
         return written
 
     def _summary(self, failed: bool) -> str:
-        data = self.stats()
-        if self.summary == "on" or (moved(data) and not failed):
-            return format_summary(data)
-        why = "after the script's error" if failed else "nothing was swapped or rebuilt"
-        return (f"{format_brief(data)}; {why}, so no table (lmsrt run --summary prints it, "
-                "--quiet not even this line)")
+        """The headline; with ``summary`` full the table too, unless the script failed (its
+        traceback stays the last thing printed, but for this line). LMS off: one line, asked
+        for only (the warning that it is off was given as it started)."""
+        if not self.lms.enabled:
+            data = self.lms.stats()
+            return format_off(data["off_reason"]) if self.summary == "full" else ""
+        return format_summary(self.stats(), full=self.summary == "full" and not failed)
 
 
 def _saved_any(step: Mapping[str, object]) -> bool:
@@ -265,8 +294,8 @@ def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[fl
     import torch
 
     if not torch.cuda.is_available():
-        warnings.warn(f"lmsrt: no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored.",
-                      RuntimeWarning, stacklevel=2)
+        say(f"no CUDA GPU, so --gpu-limit {limit_gb:g} is ignored (under "
+            f"{spelled('device', 'sim')} it is the simulated GPU's size).")
         return None
     index = torch.cuda.current_device() if index is None else index
     total = torch.cuda.get_device_properties(index).total_memory
@@ -292,6 +321,7 @@ def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optiona
 
         session = start(lms_overrides={"lms": 1000, "lms_frac": 0.5}, stats_path="s.json")
     """
+    install_stderr_handler()
     original = _plain_lmsrt_warnings()
     try:
         session = _session(os.environ if environ is None else environ, lms_overrides,
@@ -308,13 +338,15 @@ def _session(environ: Mapping[str, str], lms_overrides: Optional[dict],
              summary: Optional[str]) -> Session:
     import torch
 
+    from ..config import LMSConfig
+    from ..device import SimulatedDevice
     from ..lms import LMS
 
     max_steps = _max_steps(environ)
     summary = summary or _summary_mode(environ)
     rank = int(environ.get("RANK", 0) or 0)
     stats_path = stats_path or environ.get(ENV_STATS) or None
-    if stats_path:
+    if stats_path and stats_path not in STATS_STDOUT:
         try:
             check_output_file(stats_path_for_rank(stats_path, rank))
         except ValueError as e:
@@ -331,12 +363,17 @@ def _session(environ: Mapping[str, str], lms_overrides: Optional[dict],
     device = overrides.get("device") or environ.get(device_env)
     if gpu_limit_gb is None:
         gpu_limit_gb = _env_gpu_limit(environ)
-    if gpu_limit_gb is not None and device != "sim":
+    simulated = None
+    if gpu_limit_gb is not None and device in ("sim", "simulated"):
+        # The simulated GPU is as big as the cap, so swapping shows without a GPU.
+        simulated = SimulatedDevice(capacity=int(gpu_limit_gb * GiB))
+    elif gpu_limit_gb is not None:
         index = _cuda_index(device)
         fraction = check_gpu_limit(gpu_limit_gb, index)
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, index)
-    return Session(LMS.from_env(**overrides), stats_path=stats_path, rank=rank,
+    lms = LMS(config=LMSConfig.from_env(environ, **overrides), device=simulated)
+    return Session(lms, stats_path=stats_path, rank=rank,
                    world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps,
                    summary=summary)
 
@@ -347,16 +384,18 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     would refuse: what ``lmsrt run`` checks before it hands over to torchrun, whose workers would
     each fail alone."""
     from ..config import LMSConfig
+    from ..device import sim_capacity
 
     environ = os.environ if environ is None else environ
     LMSConfig.from_env(environ, **(lms_overrides or {}))
+    sim_capacity(environ)
     _max_steps(environ)
     _env_gpu_limit(environ)
     _summary_mode(environ)
 
 
 def _summary_mode(environ: Mapping[str, str]) -> str:
-    raw = environ.get(ENV_SUMMARY) or "auto"
+    raw = environ.get(ENV_SUMMARY) or "line"
     if raw not in SUMMARY_MODES:
         raise ValueError(f"{ENV_SUMMARY}={raw!r} is not one of {', '.join(SUMMARY_MODES)}; set "
                          f"it to e.g. {ENV_SUMMARY}=off, or unset it")

@@ -60,8 +60,11 @@ import time
 from typing import Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 from ..options import AUTO, OPTIONS, format_setting, spelled
+from ..summary import HEADLINE
 from .output import check_output_dir, check_output_file
 from .session import WARMUP_STEPS
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 __all__ = ["Trial", "Sweep", "BISECT_FRACS", "GRID_FRACS", "reference_lms", "bisect_search",
            "grid_search", "classify", "with_param", "pareto_front", "best_trial", "recommend",
@@ -79,9 +82,12 @@ RESULTS_SCHEMA = 1  # the layout of results.json; raised when a field changes me
 
 _OOM = re.compile(r"out of (GPU )?memory|OutOfMemoryError", re.IGNORECASE)
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
-# `lmsrt run` prints the LMS summary (``stats.format_summary``) after the script's traceback.
-_SUMMARY_START = "lmsrt  lms="
+# `lmsrt run` prints the LMS summary's headline (``summary.HEADLINE``) after the traceback.
 _TAIL_BYTES = 64 << 10
+# A trial runs this lmsrt, not one that its working directory holds (a clone, a folder named
+# lmsrt): `python -m lmsrt` would put that directory first on sys.path.
+_TRIAL_MAIN = (f"import runpy, sys; sys.path[0] = {_ROOT!r}; "
+               "runpy.run_module('lmsrt', run_name='__main__', alter_sys=True)")
 _LOG_NAME = re.compile(r"^\d{3,}\.(out|err|stats\.json)$")   # trials/001.out, 001.stats.json, ...
 _OUTPUTS = ("results.json", "results.csv", "tune.png")          # in the out dir, beside trials/
 
@@ -281,7 +287,7 @@ def classify(returncode: int, stdout: str, stderr: str) -> Tuple[str, str]:
     if returncode < 0:
         return "crash", f"killed by {signal.Signals(-returncode).name}"
     lines = stderr.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith(_SUMMARY_START)]
+    starts = [i for i, line in enumerate(lines) if HEADLINE.match(line)]
     lines = lines[:starts[-1]] if starts else lines
     errors = [line.strip() for line in lines if _EXCEPTION.match(line)]
     rest = [line.strip() for line in lines + stdout.splitlines() if line.strip()]
@@ -429,7 +435,7 @@ class Sweep:
     def _run_trial(self, trial: Trial, tick: Callable[[float], None], steps: int) -> None:
         base = os.path.join(self.log_dir, f"{trial.id:03d}")
         stats = f"{base}.stats.json"
-        command = [sys.executable, "-m", "lmsrt", "run",
+        command = [sys.executable, "-c", _TRIAL_MAIN, "run",
                    *_settings(trial.lms, trial.lms_frac, self.gpu_limit), "--stats", stats,
                    self.script, *trial.args]
         # The settings go in the environment too, so the script can tell which trial it is in;
@@ -496,7 +502,11 @@ def recommend(trials: Sequence[Trial]) -> Optional[Trial]:
     ranked = [t for t in trials if t.ranked]
     if len(ranked) > 1 and not any(faster(_fastest(ranked), t) for t in ranked):
         return None
-    return best_trial(ranked)
+    best = best_trial(ranked)
+    autos = [t for t in ranked if t.auto and t.params == best.params]
+    if autos and not best.auto and not faster(best, _fastest(autos)):
+        return _fastest(autos)     # a fixed setting only where it beats auto, as compare_auto says
+    return best
 
 
 def _undecided(ranked: Sequence[Trial]) -> Optional[Tuple[Trial, Trial]]:

@@ -246,9 +246,9 @@ class AutoPolicy(LimitShares):
         also = f", {rebuilt / gib:.2f} GiB rebuilt instead" if rebuilt else ""
         self.why = (f"offloads {count} of {n} saved storages ({moved / gib:.2f} GiB moved, the "
                     f"earliest{also}) so that the predicted peak, {(base + peak) / gib:.2f} GiB, "
-                    f"stays under {self.bound / gib:.2f} GiB" if count else
+                    f"stays under {(base + budget) / gib:.2f} GiB" if count else
                     f"keeps everything on the GPU: the predicted peak, {(base + peak) / gib:.2f} "
-                    f"GiB, is under {self.bound / gib:.2f} GiB")
+                    f"GiB, is under {(base + budget) / gib:.2f} GiB")
 
     def relearn(self) -> None:
         """Learn the model's own use again from the next step (NOTE [ Auto ], 7): what the

@@ -111,6 +111,15 @@ def _marks(report: "MemoryReport"):
     return []
 
 
+def have_matplotlib() -> bool:
+    """Whether the timeline PNG can be drawn (matplotlib imports)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def png_bytes(report: "MemoryReport") -> Optional[bytes]:
     """The timeline PNG, or None when matplotlib is not installed."""
     try:

@@ -68,7 +68,8 @@ def seen(output: str) -> dict:
 @pytest.mark.parametrize("before, after, expected", [
     ([], ["--help", "-x", "3"], ["--help", "-x", "3"]),             # after the script
     (["--"], ["--help"], ["--help"]),                                # after --
-    ([], ["--", "--help"], ["--", "--help"]),                        # a later -- is the script's
+    ([], ["--", "--help"], ["--help"]),                              # -- after it: dropped
+    ([], ["-x", "--", "--help"], ["-x", "--", "--help"]),            # a later -- is the script's
     (["--lms", "1", "--lms-frac", "0"], ["--lms", "5"], ["--lms", "5"]),   # same names as ours
 ])
 def test_script_gets_its_arguments_untouched(tmp_path, before, after, expected):
@@ -110,7 +111,7 @@ def no_exec(*args):
     (["--lms-frac", "-0.1"], "is not in [0, 1]"),
     (["--lms-frac", "nan"], "nan is not a finite number"),
     (["--lms", "abc"], "'abc' is not a number"),
-    (["--lms", "inf"], "inf is not a finite number; give the size threshold in KB"),
+    (["--lms", "inf"], "inf is not a finite number; give the size threshold in KiB"),
     (["--lms", "nan"], "nan is not a finite number"),
     (["--lms", "1e308"], "1e308 is not in [-9.0072e+15, 9.0072e+15]"),     # 1e308 KB: inf bytes
     (["--prefetch-mb", "-5"], "-5 is not in [0, 8.79609e+12]"),
@@ -170,7 +171,7 @@ def test_bad_env_setting_exits_2(tmp_path):
 
 @pytest.mark.parametrize("torchrun", [[], ["--nproc-per-node", "2"]])
 @pytest.mark.parametrize("var, value, message", [
-    ("LMSRT_LMS", "1e306", "LMSRT_LMS must be in [-9.0072e+15, 9.0072e+15] KB"),
+    ("LMSRT_LMS", "1e306", "LMSRT_LMS must be in [-9.0072e+15, 9.0072e+15] KiB"),
     ("LMSRT_PREFETCH_MB", "1e308", "LMSRT_PREFETCH_MB must be in [0, 8.79609e+12] MiB"),
     ("LMSRT_GPU_LIMIT_GB", "nan", "LMSRT_GPU_LIMIT_GB='nan' is not a number of GiB > 0"),
 ])
@@ -202,7 +203,7 @@ def test_stats_file_of_an_unmodified_script(tmp_path):
                            script, "6")
     assert result.returncode == 0, result.stderr
     assert "step 5 loss" in result.stdout
-    assert result.stderr.count("swapped out") == 1                   # the summary, once
+    assert result.stderr.count("a step swapped") == 1                # the headline, once
     data = json.loads(stats.read_text())
     for key in ("enabled", "device", "config", "allocator", "total", "history", "last_step",
                 "step_times_s", "step_time_median_s", "rank", "world_size"):
@@ -229,7 +230,8 @@ def test_script_exit_status_propagates(tmp_path, body, status):
     assert json.loads(stats.read_text())["total"]["out_bytes"] > 0   # written however it ended
 
 
-def test_stats_write_that_fails_keeps_the_old_file_and_fails_the_run(tmp_path, monkeypatch):
+def test_stats_write_that_fails_keeps_the_old_file_and_fails_the_run(tmp_path, monkeypatch,
+                                                                    notes_on_stderr):
     stats = tmp_path / "stats.json"
     stats.write_text('{"old": 1}')
 
@@ -447,7 +449,7 @@ def test_torchrun_workers_enable_lms(tmp_path):
                            "--lms-frac", "0", "--stats", str(stats), script, "3")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("step 2 loss") == 2
-    assert result.stderr.count("swapped out") == 1                   # rank 0's summary only
+    assert result.stderr.count("a step swapped") == 1                # rank 0's headline only
     for rank, path in ((0, stats), (1, tmp_path / "stats.json.rank1")):
         data = json.loads(path.read_text())
         assert data["rank"] == rank and data["world_size"] == 2
@@ -495,7 +497,7 @@ def test_bootstrap_enables_lms_in_workers_only_and_chains_sitecustomize(tmp_path
         assert got["lmsrt"]
         data = json.loads(rank1.read_text())
         assert data["rank"] == 1 and data["total"]["steps"] == 3 and data["total"]["out_bytes"] > 0
-        assert "swapped out" not in result.stderr                    # rank 1 prints no summary
+        assert "a step swapped" not in result.stderr                 # rank 1 prints no summary
     else:
         assert not got["lmsrt"] and not rank1.exists()
 

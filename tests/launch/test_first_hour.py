@@ -14,7 +14,7 @@ from processes import clean_env, write
 from test_cli import MLP_SCRIPT, invoke, lmsrt_process
 
 from lmsrt import __version__
-from lmsrt.stats import format_summary
+from lmsrt.summary import format_summary
 from lmsrt.units import GiB, MiB
 
 BOOM = MLP_SCRIPT + "raise ValueError('boom')\n"
@@ -23,28 +23,33 @@ BOOM = MLP_SCRIPT + "raise ValueError('boom')\n"
 # -- the summary: when, and how bytes read ------------------------------------------------------
 
 @pytest.mark.parametrize("flags, script, table, line", [
-    ([], MLP_SCRIPT, True, False),                           # something moved: the table
-    (["--lms", "100000"], MLP_SCRIPT, False, True),         # nothing moved: one line
-    ([], BOOM, False, True),                                 # after a traceback: one line
-    (["--summary"], BOOM, True, False),                      # asked for: the table
+    ([], MLP_SCRIPT, False, True),                           # the headline only
+    (["--lms", "100000"], MLP_SCRIPT, False, True),         # nothing moved: the headline
+    ([], BOOM, False, True),                                 # after a traceback: the headline
+    (["--summary", "full"], MLP_SCRIPT, True, True),         # asked for: headline and table
+    (["--summary", "full"], BOOM, False, True),              # the traceback stays last but one
     (["--quiet"], MLP_SCRIPT, False, False),                 # nothing at all
     (["-q"], BOOM, False, False),
-], ids=["moved", "nothing-moved", "traceback", "asked", "quiet", "q-traceback"])
-def test_summary_when_something_moved_or_asked(tmp_path, flags, script, table, line):
+], ids=["moved", "nothing-moved", "traceback", "full", "full-traceback", "quiet", "q-traceback"])
+def test_summary_headline_and_table(tmp_path, flags, script, table, line):
     path = write(tmp_path / "s.py", script)
     result = lmsrt_process("run", "--lms-frac", "0", "--lms", "1", *flags, path, "3")
     assert result.returncode == (1 if "boom" in script else 0), result.stderr
     err = result.stderr
-    assert ("lmsrt  lms=" in err) == table
+    assert ("\nsettings: lms=1 KiB" in err) == table
+    assert ("  fetched ahead" in err) == table             # under "swapped in", not "rebuilt"
     brief = [ln for ln in err.splitlines() if ln.startswith("lmsrt: ") and " step" in ln]
     assert len(brief) == (1 if line else 0), err
+    if line:
+        assert brief[0].startswith("lmsrt: 3 steps (3 optimizer steps), ") and "GPU peak" in \
+            brief[0] and " of 1.00 GiB (" in brief[0]
     if "boom" in script and not table:
         # The traceback is the last thing but at most one line.
         assert err.rstrip().splitlines()[-1 - line].startswith("ValueError: boom")
 
 
 def test_quiet_and_summary_together_exit_2(tmp_path):
-    result = invoke("run", "-q", "--summary", write(tmp_path / "s.py", ""))
+    result = invoke("run", "-q", "--summary", "full", write(tmp_path / "s.py", ""))
     assert result.exit_code == 2 and "give one" in result.output
 
 
@@ -58,8 +63,10 @@ def test_bad_summary_variable_exits_2_before_the_script(tmp_path):
 
 def test_summary_bytes_use_the_byte_formatter():
     stats = {"config": {"lms": 1000, "lms_frac": 0.5, "recompute": False}, "device": "simulated",
-             "mark_bytes": GiB, "allocator": "native", "copy_path": "python"}
+             "mark_bytes": GiB, "allocator": "native", "copy_path": "python",
+             "limit_bytes": 2 * GiB}
     step = dict.fromkeys(("out_bytes", "out_tensors", "beyond_plan_bytes", "in_bytes",
+                          "recipe_bytes", "recomputed_regions", "recomputed_bytes",
                           "prefetch_hits", "prefetch_misses", "prefetch_dropped", "kept_bytes",
                           "live_bytes", "skipped_tensors", "swapout_waits", "host_refused",
                           "alloc_retries", "alloc_failures", "gpu_peak_bytes", "host_lagged",
@@ -68,7 +75,7 @@ def test_summary_bytes_use_the_byte_formatter():
                 host_pinned_bytes=64 * MiB, out_bytes=1536)
     stats.update(last_step=step, total=dict(step, steps=3))
     text = format_summary(stats)
-    assert "0.00 GiB" not in text and "mark=1.00 GiB" in text
+    assert "0.00 GiB" not in text and "swap above: 1.00 GiB" in text
     assert "64.0 MiB" in text and "1.50 KiB" in text and " 0 B" in text
 
 
@@ -205,10 +212,10 @@ def test_readme_and_help_agree():
     readme = _flat(open(README, encoding="utf-8").read())
     docs = {name: _flat(open(os.path.join(DOCS, name), encoding="utf-8").read())
             for name in ("native.md", "tune.md")}
-    build = _flat(main.commands["build"].help)
+    build = _flat(main.get_command(None, "build").help)
     took = build[build.index("(") + 1:build.index(";")]
     assert took == "14-16 s on an H200 host, 18 s on a CPU host" and took in docs["native.md"]
-    [fracs] = [p for p in main.commands["tune"].params if p.name == "fracs"]
+    [fracs] = [p for p in main.get_command(None, "tune").params if p.name == "fracs"]
     help_text = _flat(fracs.help)
     order = help_text[help_text.index("Order of trials:"):help_text.index("lowest first.") + 13]
     assert order in docs["tune.md"]

@@ -31,6 +31,7 @@ from lmsrt.launch.tuning import (
     compare_auto,
     grid_search,
     pareto_front,
+    recommend,
     with_param,
 )
 
@@ -176,7 +177,8 @@ def test_param_substitution(args, name, expected):
     assert with_param(args, name, "8") == expected
 
 
-SUMMARY = "lmsrt  lms=1 KB  lms_frac=0  device=simulated\n  swapped out  1.00 GiB\n"
+SUMMARY = ("lmsrt: 3 steps (3 optimizer steps), 0.100 s a step settled; GPU peak 1.00 GiB; a "
+           "step swapped 1.00 GiB out, rebuilt 0 B, recomputed 0 B; lmsrt changed nothing\n")
 
 
 @pytest.mark.parametrize("code, out, err, expected", [
@@ -276,7 +278,7 @@ def test_tune_starts_from_auto_and_says_whether_a_fixed_setting_beats_it(tmp_pat
     assert ("auto: 3.000 steps/s (lms 1000); the fastest fixed setting (lms 1000, lms_frac 0.5) "
             "is 10% faster") in result.output
     assert "lmsrt tune: auto at lms 1000, then bisecting lms_frac 0,0.5,1" in result.output
-    assert "trial 1: lms=1000 lms_frac=auto" in result.output
+    assert "trial 1 of ~3: lms=1000 lms_frac=auto" in result.output
     data = load(out)
     assert settings(data)[0] == (1000, "auto", "ok") and data["lms_frac"][0] == "auto"
     assert data["auto"][0]["fixed_beats_auto"] and data["auto"][0]["auto_id"] == 1
@@ -360,7 +362,7 @@ def test_bisection_sweep_end_to_end(tmp_path):
         assert command == (f"lmsrt run --lms {best['lms']:g} --lms-frac {best['lms_frac']:g} "
                            f"{train} --epochs 1")
         assert result.output.rstrip().endswith(command)             # the last line printed
-    assert "trial 5: lms=4 lms_frac=0.25" in result.output           # progress, then the table
+    assert "trial 5 of ~5, about " in result.output           # progress, then the table
     assert len(list(csv.DictReader(open(out / "results.csv")))) == len(data["trials"])
     assert (out / "tune.png").exists() or "pip install matplotlib" in result.output
     # The trial's logs: what the script printed, and the stats of lmsrt run.
@@ -527,3 +529,31 @@ def test_bad_max_steps_exits_2(tmp_path):
                                 env=clean_env(LMSRT_MAX_STEPS="many"))
     assert result.exit_code == 2 and "LMSRT_MAX_STEPS='many' is not a number of steps" in \
         result.output
+
+
+# -- from any folder, with progress, one conclusion --------------------------------------------
+
+def test_recommends_auto_where_no_fixed_setting_beats_it():
+    # The fixed setting is within 1% of auto with less GPU memory; it does not beat auto, so
+    # recommending it would contradict "no fixed setting beats auto".
+    trials = [auto_trial(1, 3.0), timed(2, 3.02, 2 << 30), timed(3, 2.0, 8 << 30)]
+    assert not compare_auto(trials)["fixed_beats_auto"]
+    assert recommend(trials).id == 1
+    beaten = [auto_trial(1, 3.0), timed(2, 3.3, 2 << 30)]
+    assert compare_auto(beaten)["fixed_beats_auto"] and recommend(beaten).id == 2
+
+
+def test_tune_runs_from_a_folder_that_holds_another_lmsrt(tmp_path, monkeypatch):
+    # A clone, or any folder named lmsrt, in the working directory: the trials must still run
+    # the lmsrt that tune is, not import that folder (`python -m lmsrt` would).
+    write(tmp_path / "lmsrt" / "__init__.py", "raise ImportError('the folder lmsrt/')\n")
+    write(tmp_path / "lmsrt" / "__main__.py", "raise SystemExit('the folder lmsrt/')\n")
+    script(tmp_path, "")
+    monkeypatch.chdir(tmp_path)
+    result = tune("--grid", "--lms", "1", "--lms-frac", "0,0.5", "--steps", "6", "--out", "out",
+                  "train.py")
+    assert result.exit_code == 0, result.output
+    trials = load(tmp_path / "out")["trials"]
+    assert [t["status"] for t in trials] == ["ok", "ok"], trials
+    assert "trial 1 of ~2: lms=1 lms_frac=0" in result.output            # the progress line
+    assert "trial 2 of ~2, about " in result.output and " s left: " in result.output
