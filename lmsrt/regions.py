@@ -94,9 +94,9 @@ NOTE [ Region plan ]
      again (``SwapEngine.relearn``): what the model saves has changed.
   3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
      as its regions' and backward's as twice that; blocks of one class count at the fastest of
-     them (the step that times them learns, and its waits slow some down). A swap costs the copy time compute does not
-     hide (out: forward's; in: backward's); rebuilt bytes (step 1's share) cross no link
-     (``StepFigures``).
+     them (the step that times them learns, and its waits slow some down). A swap costs the
+     copy time compute does not hide (out: forward's; in: backward's); rebuilt bytes (step 1's
+     share) cross no link (``StepFigures``).
   4. The plan holds from step 3: no step is spent trying other choices (each cost a learning
      step that moves every eligible byte, and two timed steps; trials settled only around step
      12). Where it recomputes every region, step 2 has learnt it already; otherwise the engine

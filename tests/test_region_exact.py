@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from models import DEVICES, run_threads, torch_device
+from models import DEVICES, lmsrt_warnings, run_threads, torch_device
 from torch import nn
 
 import lmsrt
@@ -622,10 +622,9 @@ def test_the_blocks_found_and_refused_are_said_once():
     torch.manual_seed(0)
     model, x = make(), torch.randn(8, 32)
     lms = _lms("sim")
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
+    with lmsrt_warnings() as said:
         _train(model, x, 5, lms)
-    lines = [str(w.message) for w in seen if "repeated blocks" in str(w.message)]
+    lines = [text for text in said if "repeated blocks" in text]
     assert len(lines) == 1, lines
     assert lines[0].startswith("lmsrt: 5 repeated blocks (blocks[0..2], MLP; blocks[3,4], "
                                "QatBlock); refused: blocks[3]: its forward changed buffer"), lines
