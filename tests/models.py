@@ -170,6 +170,15 @@ def assert_same(ref, got):
         assert torch.equal(a, b), f"gradient {i} differs: max |d| = {(a - b).abs().max().item()}"
 
 
+def assert_same_steps(ref, got) -> None:
+    """Steps of (loss, gradients, buffers), each ``torch.equal`` to the reference's."""
+    assert len(ref) == len(got)
+    for (la, ga, ba), (lb, gb, bb) in zip(ref, got):
+        assert torch.equal(la, lb)
+        assert len(ga) == len(gb) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+        assert len(ba) == len(bb) and all(torch.equal(x, y) for x, y in zip(ba, bb))
+
+
 def run_threads(work, args, timeout: float = 120.0) -> None:
     """Run ``work(*a)`` for each ``a`` in ``args`` on its own thread, switching between threads
     often so that they interleave inside the engine, and wait for all of them."""

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from models import DEVICES, lmsrt_warnings, run_threads, torch_device
+from models import DEVICES, assert_same_steps, lmsrt_warnings, run_threads, torch_device
 from torch import nn
 
 import lmsrt
@@ -45,14 +45,6 @@ def _train(model, x, steps, lms=None, loss_of=None, between=None, seed=0):
     return out
 
 
-def _same(a, b) -> None:
-    assert len(a) == len(b)
-    for (la, ga, ba), (lb, gb, bb) in zip(a, b):
-        assert torch.equal(la, lb)
-        assert len(ga) == len(gb) and all(torch.equal(x, y) for x, y in zip(ga, gb))
-        assert len(ba) == len(bb) and all(torch.equal(x, y) for x, y in zip(ba, bb))
-
-
 def _exact(kind, make, x, steps=4, **kw) -> lmsrt.LMS:
     """Train ``make()`` without and with a forced-regions LMS; assert both the same."""
     dev = torch_device(kind)
@@ -70,7 +62,7 @@ def _exact(kind, make, x, steps=4, **kw) -> lmsrt.LMS:
             under = _train(model, x.to(dev), steps, lms, **kw)
     finally:
         torch.use_deterministic_algorithms(was)
-    _same(plain, under)
+    assert_same_steps(plain, under)
     return lms
 
 
@@ -592,7 +584,7 @@ def test_two_threads_sharing_one_lms_train_exactly():
         run_threads(work, [(0,), (1,)])
     assert not errors, errors
     for i in range(2):
-        _same(_train(refs[i], xs[i], 6), results[i])
+        assert_same_steps(_train(refs[i], xs[i], 6), results[i])
 
 
 def test_an_evaluation_forward_first_leaves_recompute_on():
@@ -606,7 +598,7 @@ def test_an_evaluation_forward_first_leaves_recompute_on():
         with lms, torch.no_grad():
             model(x)
         model.train()
-    _same(_train(ref, x, 4), _train(model, x, 4, lms))
+    assert_same_steps(_train(ref, x, 4), _train(model, x, 4, lms))
     assert _regions(lms)["recomputed"] == 4
 
 

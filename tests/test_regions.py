@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from models import assert_same_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -89,13 +90,6 @@ def _train(model, x, steps: int, ctx=None, autocast: bool = False):
     return out
 
 
-def _same(a, b) -> None:
-    for (la, ga, ba), (lb, gb, bb) in zip(a, b):
-        assert torch.equal(la, lb)
-        assert all(torch.equal(x, y) for x, y in zip(ga, gb))
-        assert all(torch.equal(x, y) for x, y in zip(ba, bb))
-
-
 def _check_exact(device: str, make, x, autocast: bool = False, steps: int = 4):
     torch.manual_seed(0)
     model = make().to(_torch_device(device))
@@ -105,7 +99,7 @@ def _check_exact(device: str, make, x, autocast: bool = False, steps: int = 4):
     with _deterministic():
         plain = _train(plain_model, x, steps, autocast=autocast)
         under = _train(model, x, steps, lms, autocast=autocast)
-    _same(plain, under)
+    assert_same_steps(plain, under)
     return lms
 
 
