@@ -304,6 +304,35 @@ def test_the_plan_settles_by_step_three_with_no_trial_steps(monkeypatch, choice)
     assert all(s["mode"] == "plan" and s["recomputed_regions"] == want for s in settled), settled
 
 
+def test_a_plan_whose_step_took_more_off_the_gpu_than_its_excess_recomputes_more(monkeypatch):
+    """NOTE [ Region plan ], 5: the first planned step is read once; where it took more off the
+    GPU than the excess planned for (made so here: the plan's figures say 1 byte), the plan is
+    made again and the engine learns the added regions in one step; later steps follow it,
+    exactly."""
+    import dataclasses
+
+    import lmsrt.regions
+    choices = iter([[2, 3], [1, 2, 3]])
+    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: next(choices))
+    torch.manual_seed(0)
+    model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
+    plain_model.load_state_dict(model.state_dict())
+    lms = _lms("sim")
+
+    def shrink(step: int) -> None:
+        regions = lms._regions
+        if step == 4:
+            regions.figures = dataclasses.replace(regions.figures, excess=1)
+
+    lms.add_step_listener(shrink)
+    with _deterministic():
+        assert_same_steps(_train(plain_model, x, 8), _train(model, x, 8, lms))
+    history = lms.stats()["history"]
+    assert [s["step"] for s in history if s["mode"] != "plan"] == [1, 2, 3, 5], history
+    assert [s["recomputed_regions"] for s in history[3:]] == [2, 3, 3, 3], history
+    assert "took" in lms.stats()["regions"]["note"]
+
+
 def test_double_backward_through_a_recomputed_region_says_what_to_do():
     torch.manual_seed(0)
     model, x = Stack(32, 4), torch.randn(4, 16, 32)
