@@ -7,7 +7,8 @@
 
 A decoder-only transformer of PyTorch's own layers (nn.TransformerEncoderLayer, pre-norm, GELU,
 24 x 1024 wide, 16 heads, called with keyword arguments: ``src_mask``, ``is_causal``), vocab
-32000, batch 8 x 2048 random tokens, fused AdamW, ``lightning.Trainer(precision="bf16-mixed",
+32000, batch 8 x 2048 random tokens, AdamW (foreach: Lightning refuses to clip a fused one's
+gradients), ``lightning.Trainer(precision="bf16-mixed",
 gradient_clip_val=1.0, num_sanity_val_steps=2)`` with a validation loader, so two validation
 batches run under no_grad with the model in eval mode before the first step. The peer:
 --checkpoint, the module's own torch.utils.checkpoint per layer. Each step is timed by a
@@ -74,8 +75,7 @@ def make_module(args):
             return self._loss(batch)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1,
-                                     fused=device().type == "cuda")
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
 
     return LitGPT()
 
