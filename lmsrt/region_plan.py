@@ -15,7 +15,8 @@ import dataclasses
 import math
 from typing import List, Sequence, Tuple
 
-__all__ = ["StepFigures", "choose_regions", "memory_budget", "over_bound", "LEAST_BUDGET"]
+__all__ = ["StepFigures", "calibrated", "choose_regions", "memory_budget", "over_bound",
+           "LEAST_BUDGET"]
 
 LEAST_BUDGET = 0.1      # memory_budget's floor: below it the partitioner keeps little more than
                         # the blocks' inputs, and what must still leave is moved
@@ -32,15 +33,20 @@ class StepFigures:
     t_fwd: float
     t_bwd: float
     bandwidth: float    # of the link, each way
+    hide: float = 1.0   # the share of forward's and backward's time copies hide under (1.0 at
+                        # first; measured from a planned step's waits: ``calibrated``)
+
+    def moved(self, freed: int) -> float:
+        """Bytes that cross the link each way where recomputed regions free ``freed``: the
+        excess left, less what the engine rebuilds (the same share of what remains)."""
+        share = self.rebuilt / self.saved if self.saved else 0.0
+        return max(0.0, self.excess - freed - share * max(0, self.saved - freed))
 
     def swap_seconds(self, freed: int) -> float:
         """Step time the swaps cost where recomputed regions free ``freed`` bytes: the copy
-        time that compute does not hide (out: forward's; in: backward's). Rebuilt storages (the
-        same share of what remains) cross no link."""
-        share = self.rebuilt / self.saved if self.saved else 0.0
-        moved = max(0.0, self.excess - freed - share * max(0, self.saved - freed))
-        t = moved / self.bandwidth
-        return max(0.0, t - self.t_fwd) + max(0.0, t - self.t_bwd)
+        time that compute does not hide (out: under ``hide`` of forward's; in: of backward's)."""
+        t = self.moved(freed) / self.bandwidth
+        return max(0.0, t - self.hide * self.t_fwd) + max(0.0, t - self.hide * self.t_bwd)
 
 
 def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> List[int]:
@@ -77,6 +83,36 @@ def choose_regions(regions: Sequence[Tuple[int, float]], step: StepFigures) -> L
     return sorted(taken[:best])
 
 
+def calibrated(step: StepFigures, freed: int, exposed: float) -> StepFigures:
+    """``step`` made to predict ``exposed`` seconds of copies not hidden where regions free
+    ``freed`` bytes: what a planned step's compute stream was measured to wait for its copies
+    (``swapout_wait_ms`` and ``swapin_wait_ms``; NOTE [ Region plan ], 5). Less of forward and
+    backward hides copies (``hide``), and where none hiding is still too little, the link is
+    slower than probed (``bandwidth``). Never more hopeful than ``step``.
+
+    Example::
+
+        step = StepFigures(excess=8 << 30, saved=16 << 30, rebuilt=0, t_fwd=0.06, t_bwd=0.12,
+                           bandwidth=55e9)
+        calibrated(step, freed=0, exposed=0.2).hide      # 0.624 of the passes hides copies
+    """
+    if exposed <= step.swap_seconds(freed):
+        return step
+    blind = dataclasses.replace(step, hide=0.0)
+    if blind.swap_seconds(freed) <= exposed:
+        moved = blind.moved(freed)
+        slower = 2 * moved / exposed if exposed > 0 and moved else step.bandwidth
+        return dataclasses.replace(blind, bandwidth=min(step.bandwidth, slower))
+    lo, hi = 0.0, step.hide                 # swap_seconds falls as hide grows
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if dataclasses.replace(step, hide=mid).swap_seconds(freed) > exposed:
+            lo = mid
+        else:
+            hi = mid
+    return dataclasses.replace(step, hide=round(lo, 3))
+
+
 def over_bound(step, bound: int) -> Tuple[int, int]:
     """(saved, excess) of a step (``StepStats``) that swapped everything it could (a learning
     step): what it saved (swapped, kept, alive anyway, rebuilt), and by how much it would have
@@ -104,7 +140,7 @@ def memory_budget(step: StepFigures, blocks: int) -> float:
     share = step.rebuilt / step.saved if step.saved else 0.0
     if share >= 1.0:
         return 1.0                  # all of it rebuilt: what the blocks keep changes nothing
-    hidden = step.bandwidth * min(step.t_fwd, step.t_bwd)
+    hidden = step.bandwidth * step.hide * min(step.t_fwd, step.t_bwd)
     # swap_seconds(freed) is 0 where what is moved, excess - freed - share * (saved - freed),
     # takes no longer than the shorter pass.
     freed = (step.excess - share * step.saved - hidden) / (1.0 - share)

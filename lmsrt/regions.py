@@ -54,35 +54,6 @@ NOTE [ Recomputed regions ]
     (``materialize``). A parameter or buffer changed otherwise in place is found as the rerun
     starts: it raises saying so, and the region is refused.
 
-NOTE [ Region plan ].
-
-NOTE [ Recomputed regions ]
-  Rule 1 (what a region is). A child of an ``nn.ModuleList`` or ``nn.Sequential`` whose class
-    appears there more than once, unless compiled (compiled.py: the partitioner's budget
-    chooses what it recomputes). In a plain ``nn.Sequential`` of mixed classes (a conv net's
-    layers), children are grouped into stages, run as one chain: a stage starts at each child
-    of the class that leads the container (its first child with parameters), or earlier, at the
-    parameter-free child before it whose input is smallest (pooling ends a stage, upsampling
-    starts the next); the sizes come from the first step, which recomputes nothing.
-  Rule 2 (only where lmsrt saves). A region is entered only while grad is on, outside backward,
-    and with this LMS's saved-tensor hooks innermost: inside a user's own checkpoint (its hooks
-    are innermost; a reentrant one runs forward without grad), ``save_on_cpu``, a torch.func
-    transform, or another region, nothing changes.
-  Rule 3 (dropped at the region's end). Its saved tensors are held while it runs and dropped
-    when it returns. A region that changed one of its inputs in place, was called with keyword
-    arguments, or raised, keeps them instead (its handles hold them, nothing is recomputed), and
-    is not recomputed again.
-  Rule 4 (recomputed exactly; region_frames.py). At the first unpack of a dropped tensor, the
-    region runs again from its inputs (brought back by the engine) with grad on, the autocast
-    state, CPU RNG state and CUDA RNG state it ran with in forward, up to the save of the last
-    tensor it dropped (the rest is skipped, as torch's checkpoint stops early). The running
-    statistics of its batch norms in training mode, updated once by forward, are put back after
-    the rerun. Tensors are matched by the order they were saved in; a rerun that saves other
-    shapes or dtypes raises.
-  Rule 5 (versions). Autograd skips its in-place check while hooks are set, so each handle keeps
-    its tensor's version counter (``engine.counter_only``) and unpack raises autograd's error
-    when it moved; the engine checks the inputs it holds.
-
 NOTE [ Region plan ]
   1. Step 1 surveys: regions are found, a mixed Sequential's output sizes read, nothing is
      recomputed, and the engine learns as always. Its peak plus what it saved estimates the
@@ -102,10 +73,15 @@ NOTE [ Region plan ]
      12). Where it recomputes every region, step 2 has learnt it already; otherwise the engine
      learns it in step 3. Every step that learns holds the least the engine can hold, so none
      runs out of memory where swapping alone fits.
-  5. The first planned step is read once: where it took more off the GPU (moved, rebuilt and
-     recomputed) than the excess the plan was made for by over an eighth (the learning step's
-     peak is not a planned step's: measured on a Llama, 10.7 GiB planned, 14.2 taken), the plan
-     is made again for what it took, and the engine learns the regions it adds; never fewer.
+  5. The first planned step is read once, with two figures measured as it ran: what it took off
+     the GPU (moved, rebuilt and recomputed), and how long its compute stream stood still
+     waiting for copies (``swapout_wait_ms`` in forward, ``swapin_wait_ms`` in backward). Where
+     it took more than the excess the plan was made for by over an eighth (the learning step's
+     peak is not a planned step's: measured on a Llama, 10.7 GiB planned, 14.2 taken), or its
+     copies stalled compute longer than predicted (by over 5% of the passes' time: on the
+     Llama at 20 GiB, ~90 ms against 25), the plan's figures take the measured ones: the
+     excess, and how much of the passes hides copies (``calibrated``); the plan is made again,
+     and the engine learns the regions it adds; never fewer.
 """
 from __future__ import annotations
 
@@ -122,7 +98,7 @@ from torch import nn
 from . import params
 from .region_finder import BlockFinder, Region, blocks_line
 from .region_frames import Frame, rerun
-from .region_plan import StepFigures, choose_regions, over_bound
+from .region_plan import StepFigures, calibrated, choose_regions, over_bound
 from .say import say_once
 from .units import format_bytes
 
@@ -132,6 +108,8 @@ SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time
                                # sets ``Regions.bandwidth`` to make them cost)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
+_EXPOSED_SLACK = 0.05    # waits under the prediction plus this share of the passes' time are
+                         # the plan's own (NOTE [ Region plan ], 5)
 
 
 class Regions:
@@ -470,15 +448,29 @@ class Regions:
 
     def _check_plan(self, step) -> None:
         """NOTE [ Region plan ], 5: the plan's first planned step took ``left`` bytes off the
-        GPU (moved, rebuilt, recomputed); where that is more than the excess the plan was made
-        for, plan once more for it."""
+        GPU (moved, rebuilt, recomputed) and its compute stream waited ``exposed`` seconds for
+        copies; where either is more than the plan counted on, plan once more for them."""
         self._unchecked = False
-        left = step.out_bytes + step.recipe_bytes + step.recomputed_bytes
         figures = self.figures
-        if figures is None or left <= figures.excess + (figures.excess >> 3):
+        if figures is None:
+            return
+        left = step.out_bytes + step.recipe_bytes + step.recomputed_bytes
+        said = []
+        if left > figures.excess + (figures.excess >> 3):
+            figures = dataclasses.replace(figures, excess=left, rebuilt=step.recipe_bytes)
+            said.append(f"step {step.step} took {format_bytes(left)} off the GPU, more than the "
+                        f"plan's excess")
+        exposed = (step.swapout_wait_ms + step.swapin_wait_ms) / 1e3
+        freed = step.recomputed_bytes
+        if exposed > figures.swap_seconds(freed) + _EXPOSED_SLACK * (figures.t_fwd
+                                                                      + figures.t_bwd):
+            predicted = figures.swap_seconds(freed)
+            figures = calibrated(figures, freed, exposed)
+            said.append(f"its copies stalled compute {exposed * 1e3:.1f} ms, "
+                        f"{predicted * 1e3:.1f} predicted")
+        if not said:
             return
         usable = [r for r in self.order if r.usable]
-        figures = dataclasses.replace(figures, excess=left, rebuilt=step.recipe_bytes)
         chosen = [usable[i] for i in choose_regions([(r.nbytes, r.seconds) for r in usable],
                                                     figures)]
         if len(chosen) <= sum(r.chosen for r in usable):
@@ -486,9 +478,8 @@ class Regions:
         self.figures = figures
         self._apply(chosen)
         self.engine.relearn()
-        self.note = (f"recompute {len(chosen)} of {len(self.order)} regions: step {step.step} "
-                     f"took {format_bytes(left)} off the GPU, more than the plan's excess; "
-                     + self.note)
+        self.note = (f"recompute {len(chosen)} of {len(self.order)} regions: "
+                     f"{'; '.join(said)}; " + self.note)
 
     def _apply(self, chosen: list) -> None:
         """Recompute ``chosen`` from this step on."""

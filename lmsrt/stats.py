@@ -51,6 +51,7 @@ class StepStats:
     swapin_wait_ms: float = _summed(0.0)  # time the compute stream waited on swap-in copies
     swapout_waits: int = _summed(0)       # times forward waited on a swap-out to stay under the
                                           # mark
+    swapout_wait_ms: float = _summed(0.0)  # time the compute stream waited on those copies
     host_refused: int = _summed(0)        # swap-outs refused by the host budget (kept on the GPU)
     alloc_retries: int = _summed(0)       # times the CUDA allocator had to free its cache to go on
     alloc_failures: int = _summed(0)      # allocations that failed at the limit and were caught

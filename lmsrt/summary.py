@@ -52,6 +52,7 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
     ("  held by the script", "live_bytes", "B"),
     ("too small or params", "skipped_tensors", "n"),
     ("forward waited", "swapout_waits", "n"),
+    ("  waited for (ms)", "swapout_wait_ms", "ms"),
     ("host refusals", "host_refused", "n"),
     ("allocator retries", "alloc_retries", "n"),
     ("  failed, caught", "alloc_failures", "n"),

@@ -84,6 +84,24 @@ def test_peak_below_half_on_transformer_stack_at_frac_zero():
     assert swapped < plain / 2, (swapped / 2**20, plain / 2**20)
 
 
+def test_forward_waits_on_late_copies_are_timed():
+    """Copies out held back (the D2H stream stalled) under a level of 0: forward must wait for
+    them before it reuses their blocks, and the time its stream stood still is counted."""
+    torch.manual_seed(0)
+    model = transformer(d=512, layers=8, heads=8).cuda()
+    x = torch.randn(8, 256, 512, device="cuda")
+    lms = make_lms("cuda", lms=64, lms_frac=0.0)
+    train_step(model, x, lms=lms)
+    with lms:
+        _stall(lms._engine.d2h, 50_000_000)      # the first copies land ~25 ms late or more
+        loss = model(x).square().mean()
+    loss.backward()
+    torch.cuda.synchronize()
+    step = lms.stats()["last_step"]
+    assert step["swapout_waits"] > 0, step
+    assert step["swapout_wait_ms"] > 1.0, step
+
+
 def test_no_leak_over_20_steps(copy_path):
     torch.manual_seed(0)
     model = transformer(d=256, layers=4, heads=4).cuda()

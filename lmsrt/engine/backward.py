@@ -163,7 +163,7 @@ class UnpackSide:
             start.record(stream)
             s.fetch_done.wait(stream)                      # Rule 3: wait before the first use
             end.record(stream)
-            self._timed_waits.append((start, end))
+            self._timed_waits.append(("swapin_wait_ms", start, end))
         s.fetch_waited = True
 
     def _fetch(self, s: Offloaded) -> None:

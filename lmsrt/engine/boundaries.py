@@ -228,14 +228,15 @@ class StepBoundaries:
         return s
 
     def _read_figures(self, s: StepStats) -> None:
-        """Into ``s``: the host pool's figures, and the swap-in waits whose times are in."""
+        """Into ``s``: the host pool's figures, and the copy waits whose times are in."""
         for name, value in self.host.figures().items():
             setattr(s, name, value)
         pending = []
-        for start, end in self._timed_waits:
+        for wait in self._timed_waits:
+            name, start, end = wait
             if end.query():
-                s.swapin_wait_ms += start.elapsed_time(end)
+                setattr(s, name, getattr(s, name) + start.elapsed_time(end))
             else:
-                pending.append((start, end))
+                pending.append(wait)
         self._timed_waits = pending
 

@@ -90,10 +90,22 @@ class SwapOut:
             s = held.popleft()
             if s.source is None:
                 continue
-            self._order_after(s, s.copy_done)              # Rule 2: wait, then drop at once
+            self._wait_out(s)                              # Rule 2: wait, then drop at once
             self._drop_source(s)
             used -= s.nbytes
             self.step.swapout_waits += 1
+
+    def _wait_out(self, s: Offloaded) -> None:
+        """Order the reuse of ``s``'s block after its copy; where the copy is still running, the
+        compute stream's wait is timed (``swapout_wait_ms``: the copy time forward did not hide)."""
+        if s.copy_done.query():
+            self._order_after(s, s.copy_done)
+            return
+        start, end = self.device.new_event(timing=True), self.device.new_event(timing=True)
+        start.record(self.compute)
+        self._order_after(s, s.copy_done)
+        end.record(self.compute)
+        self._timed_waits.append(("swapout_wait_ms", start, end))
 
     def _order_after(self, s: Offloaded, event) -> None:
         """Make the streams that may reuse ``s``'s GPU block wait on ``event``: its own stream,
