@@ -27,12 +27,17 @@ thread unless asked to:
   Failures. A pin that fails (or the budget) stops growth for the rest of the step; the next step
     tries once, at most half the failed size. Said once, on the training thread.
   Give-back. Requests fill the oldest slabs first, so when use shrinks the newest fall idle. A
-    slab with nothing in it that no request touched for ``idle_steps`` steps is given back,
-    unless the last ``reserve`` still needs it: a pinning thread waits for the device (a copy
-    queued long ago may still read it), then drops it, which unregisters and unmaps it. A step
-    gives back at most ``give_back_step`` bytes (1 GiB; at least one slab), the rest in the
-    steps after: unregistering holds the driver, and the training thread's CUDA calls wait for
-    it (measured on an H200: 10.6 GiB given back in one step made it 327 ms against ~100).
+    slab with nothing in it that no request touched for ``idle_steps`` steps (100) is given
+    back, and at once after 2 idle steps where the pool holds more than the host budget now
+    allows (other processes took the host's memory), unless the last ``reserve`` still needs
+    it: a pinning thread waits for the device (a copy queued long ago may still read it), then
+    drops it, which unregisters and unmaps it. A step gives back at most ``give_back_step``
+    bytes (1 GiB; at least one slab), the rest in the steps after: unregistering holds the
+    driver, and the training thread's CUDA calls wait for it (measured on an H200: 10.6 GiB
+    given back in one step made it 327 ms against ~100; 1 GiB a step stalled the GPU ~30 ms
+    a step). So a run that settles on less than its learning steps pinned (a region plan: 21
+    GiB pinned in step 1, 4.9 moved from step 6) keeps the rest for 100 steps: given back after
+    10, it stalled steps 16 to 30 of a Llama under the Trainer by 20-37 ms each.
   Lifetime. The threads see only a ``_Pinner``, never the pool, so a dropped pool is collected at
     once; its finalizer (or ``close``) stops and joins the threads before the slabs go.
 
@@ -62,7 +67,8 @@ _ALIGN = 512                  # offsets within a slab (DMA and vector copies)
 _PAGE = 4096                  # slab sizes are whole pages
 _CHUNK_MIN = 64 * MiB         # the first chunk lands in ~50 ms
 _CHUNK_MAX = GiB              # growth by an eighth of what is held, at most this much a pin
-_IDLE_STEPS = 10              # steps a slab sits unused before it is given back
+_IDLE_STEPS = 100             # steps a slab sits unused before it is given back
+_SQUEEZED_IDLE_STEPS = 2      # the same where the pool holds more than the host budget allows
 _GIVE_BACK_STEP = GiB         # most bytes a step gives back (beyond its first slab)
 
 
@@ -404,10 +410,14 @@ class HostPool:
             pin.claimed = 0
         keep = self._reserved + (self._reserved >> 5)     # as reserve pins it: no churn
         self._reserved = 0
+        idle_steps = self.idle_steps
+        if any(slab.allocator.used_bytes == 0 and self._step - slab.last_used > _SQUEEZED_IDLE_STEPS
+               for slab in self.slabs) and self.pinned_bytes > self.budget():
+            idle_steps = min(idle_steps, _SQUEEZED_IDLE_STEPS)     # the host needs it back
         for slab in self.slabs[::-1]:
             if self.given_back_bytes >= self.give_back_step:
                 break                    # the rest next step (NOTE [ Pinning ], Give-back)
-            if (slab.allocator.used_bytes == 0 and self._step - slab.last_used > self.idle_steps
+            if (slab.allocator.used_bytes == 0 and self._step - slab.last_used > idle_steps
                     and self.pinned_bytes - slab.size >= keep):
                 self.slabs.remove(slab)
                 self.pinned_bytes -= slab.size

@@ -425,6 +425,24 @@ def test_slabs_idle_for_n_steps_are_given_back(threads):
     pool.close()
 
 
+def test_idle_slabs_stay_pinned_until_the_host_needs_them():
+    """By default a slab goes back only after a long idle (a run that settles on less than its
+    learning steps pinned is not stalled by unregistering); where the host budget shrinks
+    under what the pool holds, idle slabs go back after two idle steps."""
+    pool = HostPool(SimulatedDevice(), budget=1 << 40, chunk_min=MiB, chunk_max=MiB)
+    _run_steps(pool, [MiB] * 8, 2, reserve=False)
+    for _ in range(12):                              # use shrinks to 2 MiB for 12 steps
+        _run_steps(pool, [MiB] * 2, 1, reserve=False)
+        assert pool.given_back_bytes == 0 and pool.pinned_bytes == 8 * MiB
+    pool.fixed_budget = 4 * MiB                      # the host's memory is wanted elsewhere
+    given = 0
+    for _ in range(3):
+        _run_steps(pool, [MiB] * 2, 1, reserve=False)
+        given += pool.given_back_bytes
+    assert given == 6 * MiB and pool.pinned_bytes == 2 * MiB
+    pool.close()
+
+
 def test_a_step_gives_back_at_most_its_share():
     """Unregistering pinned memory holds the driver: a step gives back at most
     ``give_back_step`` bytes (at least one slab), the rest in the steps after."""
