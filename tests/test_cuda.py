@@ -85,12 +85,13 @@ def test_peak_below_half_on_transformer_stack_at_frac_zero():
 
 
 def test_forward_waits_on_late_copies_are_timed():
-    """Copies out held back (the D2H stream stalled) under a level of 0: forward must wait for
-    them before it reuses their blocks, and the time its stream stood still is counted."""
+    """Copies out held back (the D2H stream stalled) under a level of 0 with 16 MiB let held
+    while they run: forward must wait for them before it goes on, and the time its stream
+    stood still is counted."""
     torch.manual_seed(0)
     model = transformer(d=512, layers=8, heads=8).cuda()
     x = torch.randn(8, 256, 512, device="cuda")
-    lms = make_lms("cuda", lms=64, lms_frac=0.0)
+    lms = make_lms("cuda", lms=64, lms_frac=0.0, prefetch_mb=16)
     train_step(model, x, lms=lms)
     with lms:
         _stall(lms._engine.d2h, 50_000_000)      # the first copies land ~25 ms late or more
