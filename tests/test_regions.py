@@ -377,6 +377,47 @@ def test_a_plan_whose_copies_stalled_compute_longer_than_predicted_recomputes_mo
     assert "stalled compute 500.0 ms" in lms.stats()["regions"]["note"]
 
 
+def test_forward_waits_for_copies_out_are_taken_off_a_regions_time(monkeypatch):
+    """NOTE [ Region plan ], 3: the timing step learns, and what its forward waited for copies
+    out inside a region (``swapout_wait_ms``' events) is not the region's own time. Here every
+    span lasts 1 s of a fake clock and block 0 waited 0.6 s of it: it counts 0.4 s, and so,
+    the fastest of the class, does every block."""
+    import itertools
+    import types
+
+    import lmsrt.regions
+    ticks = itertools.count()
+    monkeypatch.setattr(lmsrt.regions, "time", types.SimpleNamespace(
+        perf_counter=lambda: float(next(ticks))))
+
+    class Waited:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def query(self):
+            return True
+
+    class Waiting(Block):
+        waits = False
+
+        def forward(self, x):
+            if self.waits and lms._regions.phase == "timing":
+                lms._engine._timed_waits.append(("swapout_wait_ms", Waited(0.0), Waited(600.0)))
+                lms._engine._timed_waits.append(("swapin_wait_ms", Waited(0.0), Waited(300.0)))
+            return super().forward(x)
+
+    model, x = Stack(32, 4), torch.randn(4, 16, 32)
+    model.blocks = nn.ModuleList(Waiting(32) for _ in range(4))
+    model.blocks[0].waits = True
+    lms = _lms("sim")
+    _train(model, x, 3, lms)
+    seconds = [each[2] for each in lms.stats()["regions"]["each"]]
+    assert seconds == [pytest.approx(400.0)] * 4, seconds     # ms
+
+
 def test_calibrated_figures_predict_the_measured_waits():
     from lmsrt.region_plan import calibrated
     step = _figures(8)
