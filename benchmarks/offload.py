@@ -16,7 +16,7 @@ of lmsrt that refuses it gets the outcome "unsupported"). --recompute both runs 
 again with recompute=True (method "lmsrt+rb": cheap saved tensors rebuilt in backward, not moved),
 and prints each against its twin. --compile compiles the workload's model as a user would,
 ``torch.compile(model)`` (the loss and optimizer stay eager); under lmsrt that model is compiled
-block by block (lmsrt/compiled.py), from its second step, under the recompute budget lmsrt
+block by block (lmsrt/recompute/compiled.py), from its second step, under the recompute budget lmsrt
 chooses where memory is short. Compare with a run without --compile for the eager rows.
 --memory-budget B sets torch._functorch.config.activation_memory_budget (the compiled graphs'
 recompute budget, a fraction of what they would save) in every method, as a user would; under

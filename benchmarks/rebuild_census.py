@@ -1,6 +1,6 @@
 """How much of what each workload saves for backward a recipe could rebuild instead of moving.
 
-For each workload, one forward runs with lmsrt's recipe recorder on (lmsrt/rebuild.py, NOTE
+For each workload, one forward runs with lmsrt's recipe recorder on (lmsrt/recompute/recipes.py, NOTE
 [ Recipes ]); the table gives the bytes saved (eligible storages of 1 MB or more, each once), the
 bytes whose recipe's inputs stay available (rebuildable: they need not cross PCIe), by op, and
 checks that every recipe rebuilds its tensor bit for bit. On a GPU the workloads run at the
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workloads import GPT2LM, GPTBlock, SegNet, build
 
-from lmsrt.rebuild import census, view_of
+from lmsrt.recompute.recipes import census, view_of
 
 MB = 1 << 20
 

@@ -18,7 +18,7 @@ from typing import Set, Tuple
 
 import torch
 
-from .compiled import made_regions
+from .recompute.compiled import made_regions
 from .config import LMSConfig
 from .options import spelled
 from .say import say_once

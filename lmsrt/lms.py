@@ -9,12 +9,13 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from . import arena, compiled, torch_patches
+from . import arena, torch_patches
+from .recompute import compiled
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
 from .options import OPTIONS, describe, spelled
-from .regions import Regions
+from .recompute.regions import Regions
 from .say import say_once
 from .stats import StepStats
 from .summary import format_summary
@@ -35,7 +36,7 @@ def _live_advice() -> Optional[compiled.CompileAdvice]:
 
 
 # Also at import: a model compiled whole is compiled block by block while an LMS is live
-# (compiled.py; torch_patches, NOTE, 6).
+# (recompute/compiled.py; torch_patches, NOTE, 6).
 compiled.install(_live_advice, functools.partial(say_once, stacklevel=3))
 
 
@@ -137,7 +138,7 @@ class LMS:
                          "build it.", stacklevel=2)
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
-            # When and how blocks of a model compiled whole are compiled (compiled.py).
+            # When and how blocks of a model compiled whole are compiled (recompute/compiled.py).
             self._compile_advice = compiled.CompileAdvice(
                 self._engine, functools.partial(say_once, stacklevel=4))
             _advice.add(self._compile_advice)
@@ -193,7 +194,7 @@ class LMS:
         if engine.closed:
             raise RuntimeError("this LMS was closed; create a new lmsrt.LMS to keep swapping.")
         if compiled.capturing():
-            # Copies and event waits would invalidate the capture (compiled.py).
+            # Copies and event waits would invalidate the capture (recompute/compiled.py).
             say_once("capture", "lmsrt: LMS entered while a CUDA graph is being captured steps "
                      "aside: tensors saved in the captured region stay on the GPU, in the "
                      "graph's pool (said once). Enter LMS outside the capture to swap.",

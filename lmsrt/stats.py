@@ -41,7 +41,7 @@ class StepStats:
     rebuild_ms: float = _summed(0.0)      # GPU time of those rebuilds
     rebuild_checks: int = _summed(0)      # rebuilds checked bit for bit against a copy
     recomputed_regions: int = _summed(0)  # region calls whose saved tensors forward dropped, to
-                                          # run again in backward (regions.py)
+                                          # run again in backward (recompute/regions.py)
     recomputed_bytes: int = _summed(0)    # what they dropped: freed without a copy
     recompute_ms: float = _summed(0.0)    # GPU time of their reruns in backward (read once done)
     in_bytes: int = _summed(0)            # brought back for backward

@@ -32,7 +32,7 @@ needs them does, undone when the last of them closes or is collected.
   6. ``torch.compile`` and ``nn.Module.compile`` are wrapped when lmsrt is imported, so that a
      model compiled whole is compiled block by block while an LMS is live. For good, because
      scripts compile their model before they create their LMS. The wrap is the region mechanism
-     itself, so it is made in compiled.py (``install``, which lms.py calls).
+     itself, so it is made in recompute/compiled.py (``install``, which lms.py calls).
   7. ``torch.nn.Parameter.data`` becomes a property (``parameter_data_patch``) from the first
      rebuild that reads a parameter (params.py, NOTE [ Parameters a rebuild reads ], Rule 2).
      Counted: it slows every ``p.data`` of the process (a Python call each), so it goes with the
@@ -41,7 +41,7 @@ needs them does, undone when the last of them closes or is collected.
      lives (params.py, Rule 1). Counted, as 7.
 
 Held only while in use, and not counted here: the saved-tensor hooks lmsrt pushes (per ``with
-lms:``), the global module forward hooks of region recompute (per LMS, regions.py) and of the
+lms:``), the global module forward hooks of region recompute (per LMS, recompute/regions.py) and of the
 profiler (per profiled step, profiler/recorder.py).
 
 Example::
@@ -187,7 +187,7 @@ def annotate_backward_ooms(engines) -> None:
         def call(*args, **kwargs):
             for engine in list(engines):
                 if not engine.closed and engine.rebuilds is not None:
-                    engine.rebuilds.sleep()     # backward notes no recipes (rebuilds.py)
+                    engine.rebuilds.sleep()     # backward notes no recipes (recompute/rebuilds.py)
             try:
                 return original(*args, **kwargs)
             except torch.OutOfMemoryError as exc:

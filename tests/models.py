@@ -58,16 +58,16 @@ def pins_at_hand(lms: lmsrt.LMS, nbytes: int = 256 << 20) -> None:
 
 
 def rebuild_small_tensors(kind: str, monkeypatch=None) -> None:
-    """On CUDA, let the rebuilds of the tests' small models pass the cost rule (rebuilds.py,
+    """On CUDA, let the rebuilds of the tests' small models pass the cost rule (recompute/rebuilds.py,
     ``_COPY_FIXED_S``): a rebuild of a few KB, timed on an idle GPU, is its launch (tens of
     us), and the rule rightly prefers the copy then. What these tests check is exactness; the
     rule has a test of its own, and the benchmark shows rebuilds kept at real sizes."""
     if kind == "cuda":
-        import lmsrt.rebuilds
+        import lmsrt.recompute.rebuilds
         if monkeypatch is not None:
-            monkeypatch.setattr(lmsrt.rebuilds, "_COPY_FIXED_S", 1.0)
+            monkeypatch.setattr(lmsrt.recompute.rebuilds, "_COPY_FIXED_S", 1.0)
         else:                           # a script of its own: for the process
-            lmsrt.rebuilds._COPY_FIXED_S = 1.0
+            lmsrt.recompute.rebuilds._COPY_FIXED_S = 1.0
 
 
 class Block(nn.Module):

@@ -1,5 +1,5 @@
 """A model compiled whole under LMS is compiled block by block, and CUDA graph capture runs with
-lmsrt's hooks aside (lmsrt/compiled.py). Compiling on the CPU is slow: tiny models, few tests."""
+lmsrt's hooks aside (lmsrt/recompute/compiled.py). Compiling on the CPU is slow: tiny models, few tests."""
 from __future__ import annotations
 
 import contextlib
@@ -29,10 +29,10 @@ from models import (
 from processes import clean_env, write
 from torch import nn
 
-import lmsrt.compiled
+import lmsrt.recompute.compiled
 import lmsrt.lms
 import lmsrt.say
-from lmsrt.compiled import repeated_blocks
+from lmsrt.recompute.compiled import repeated_blocks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from workloads import GPT2LM, GPTBlock
@@ -65,7 +65,7 @@ def _fresh_live_engines(monkeypatch):
     # and the regions made here must not silence other tests' warning about compiled regions.
     gc.collect()
     monkeypatch.setattr(lmsrt.lms, "_advice", weakref.WeakSet())
-    monkeypatch.setattr(lmsrt.compiled, "_regional_models", 0)
+    monkeypatch.setattr(lmsrt.recompute.compiled, "_regional_models", 0)
     monkeypatch.setattr(lmsrt.say, "_said", set())          # each test sees its said-once lines
 
 
@@ -180,7 +180,7 @@ def test_a_torch_that_compiles_blocks_apart_keeps_the_model_whole(monkeypatch):
 
 
 def test_cuda_graph_modes_are_left_out_of_blocks():
-    from lmsrt.compiled import _block_arguments
+    from lmsrt.recompute.compiled import _block_arguments
     said = []
     say = lambda key, message: said.append(key)     # noqa: E731
     assert _block_arguments(dict(mode="reduce-overhead", fullgraph=True), say) == dict(
@@ -269,7 +269,7 @@ def test_lmsrt_run_compiles_a_whole_model_block_by_block(tmp_path):
 def test_memory_budget_from_a_steps_figures():
     # NOTE [ Regions under LMS ], Rule 7: the share of the blocks' saves they may keep.
     from lmsrt.policy import make_policy
-    from lmsrt.region_plan import LEAST_BUDGET, StepFigures, memory_budget
+    from lmsrt.recompute.plan import LEAST_BUDGET, StepFigures, memory_budget
     gib = 1 << 30
     step = StepFigures(excess=6 * gib, saved=16 * gib, rebuilt=0, t_fwd=0.0, t_bwd=0.0,
                        bandwidth=55e9)
@@ -364,7 +364,7 @@ def _compiled_run(kind, costly_link: bool, steps: int = 3, **lms_kw):
 
 
 def _check_budget(kind, monkeypatch):
-    from lmsrt.region_plan import memory_budget
+    from lmsrt.recompute.plan import memory_budget
     _fresh_live_engines(monkeypatch)
     # The cap forces recompute on the simulated device (an auto policy at a small capacity);
     # on a GPU, swapping everything (lms_frac 0) does.

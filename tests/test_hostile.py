@@ -23,7 +23,7 @@ from models import (
     train_step,
 )
 
-from lmsrt.rebuild import RecipeTable
+from lmsrt.recompute.recipes import RecipeTable
 
 pytestmark = pytest.mark.usefixtures("small_rebuilds_pay")
 

@@ -1,4 +1,4 @@
-"""Recipes for saved tensors (rebuild.py, NOTE [ Recipes ]): which saved tensors a cheap op made
+"""Recipes for saved tensors (recompute/recipes.py, NOTE [ Recipes ]): which saved tensors a cheap op made
 from inputs that stay available, and that running the op again gives the same bits; and the engine
 rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt storages ]),
 with gradients compared by torch.equal against the run without LMS."""
@@ -29,7 +29,7 @@ import lmsrt
 from lmsrt.device import SimulatedDevice
 from lmsrt.engine import SwapEngine
 from lmsrt.plan import OffloadPlan
-from lmsrt.rebuild import Recipe, Recorder, census, view_of
+from lmsrt.recompute.recipes import Recipe, Recorder, census, view_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from workloads import GPTBlock
@@ -814,7 +814,7 @@ def test_the_recorder_loads_no_compiler_until_one_is_loaded():
     import subprocess
     script = (
         "import sys, torch, lmsrt\n"
-        "from lmsrt.rebuild import Recorder\n"
+        "from lmsrt.recompute.recipes import Recorder\n"
         "x = torch.randn(4, 4, requires_grad=True)\n"
         "with Recorder() as r:\n"
         "    y = torch.nn.functional.gelu(x)\n"

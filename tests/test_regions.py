@@ -1,4 +1,4 @@
-"""Recomputed regions (lmsrt/regions.py): repeated blocks found without model changes, dropped in
+"""Recomputed regions (lmsrt/recompute/regions.py): repeated blocks found without model changes, dropped in
 forward and run again in backward, exactly: gradients, dropout, autocast and batch norm's
 running statistics equal to the run without lmsrt, bit for bit."""
 import contextlib
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lmsrt
-from lmsrt.regions import StepFigures, choose_regions
+from lmsrt.recompute.regions import StepFigures, choose_regions
 from lmsrt.summary import format_headline, moved
 from lmsrt.units import format_bytes
 
@@ -272,8 +272,8 @@ def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
 
 def _choose_last_two(monkeypatch) -> None:
     """The plan's choice taken as given: the last two regions of four."""
-    import lmsrt.regions
-    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: [2, 3])
+    import lmsrt.recompute.regions
+    monkeypatch.setattr(lmsrt.recompute.regions, "choose_regions", lambda regions, figures: [2, 3])
 
 
 def test_a_plan_that_recomputes_some_regions_shows_them(monkeypatch):
@@ -311,9 +311,9 @@ def test_a_plan_whose_step_took_more_off_the_gpu_than_its_excess_recomputes_more
     exactly."""
     import dataclasses
 
-    import lmsrt.regions
+    import lmsrt.recompute.regions
     choices = iter([[2, 3], [1, 2, 3]])
-    monkeypatch.setattr(lmsrt.regions, "choose_regions", lambda regions, figures: next(choices))
+    monkeypatch.setattr(lmsrt.recompute.regions, "choose_regions", lambda regions, figures: next(choices))
     torch.manual_seed(0)
     model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
     plain_model.load_state_dict(model.state_dict())
@@ -340,14 +340,14 @@ def test_a_plan_whose_copies_stalled_compute_longer_than_predicted_recomputes_mo
     learns the added regions in one step; later steps follow it, exactly."""
     import dataclasses
 
-    import lmsrt.regions
+    import lmsrt.recompute.regions
     seen, choices = [], iter([[2, 3], [1, 2, 3]])
 
     def choose(regions, figures):
         seen.append(figures)
         return next(choices)
 
-    monkeypatch.setattr(lmsrt.regions, "choose_regions", choose)
+    monkeypatch.setattr(lmsrt.recompute.regions, "choose_regions", choose)
     torch.manual_seed(0)
     model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
     plain_model.load_state_dict(model.state_dict())
@@ -385,9 +385,9 @@ def test_forward_waits_for_copies_out_are_taken_off_a_regions_time(monkeypatch):
     import itertools
     import types
 
-    import lmsrt.regions
+    import lmsrt.recompute.regions
     ticks = itertools.count()
-    monkeypatch.setattr(lmsrt.regions, "time", types.SimpleNamespace(
+    monkeypatch.setattr(lmsrt.recompute.regions, "time", types.SimpleNamespace(
         perf_counter=lambda: float(next(ticks))))
 
     class Waited:
@@ -419,7 +419,7 @@ def test_forward_waits_for_copies_out_are_taken_off_a_regions_time(monkeypatch):
 
 
 def test_calibrated_figures_predict_the_measured_waits():
-    from lmsrt.region_plan import calibrated
+    from lmsrt.recompute.plan import calibrated
     step = _figures(8)
     # Measured waits under the prediction change nothing: the figures only grow more careful.
     assert calibrated(step, 0, step.swap_seconds(0) / 2) == step

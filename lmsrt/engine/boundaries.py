@@ -46,7 +46,7 @@ class StepBoundaries:
 
     def relearn(self) -> None:
         """Plan afresh from the next step on, learning it as step 1 was: what the model saves
-        has changed (regions.py recomputes other regions). Called from a step listener."""
+        has changed (recompute/regions.py recomputes other regions). Called from a step listener."""
         self._relearn = True
 
     def after_backward(self) -> bool:
@@ -57,7 +57,7 @@ class StepBoundaries:
 
     def saved_so_far(self) -> tuple:
         """(the step in flight, the bytes of the storages it has saved so far): what
-        compiled.py counts around a block's eager call."""
+        recompute/compiled.py counts around a block's eager call."""
         step = self.current_step()
         return step.step, sum(self.plan.current)
 

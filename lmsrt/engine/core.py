@@ -15,7 +15,7 @@ from ..diagnostics import Diagnostics
 from ..host import HostPool
 from ..plan import OffloadPlan
 from ..policy import make_policy
-from ..rebuilds import Rebuilds
+from ..recompute.rebuilds import Rebuilds
 from ..stats import RunStats, StepStats
 from .backward import UnpackSide
 from .boundaries import StepBoundaries, StepState

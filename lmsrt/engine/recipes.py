@@ -1,5 +1,5 @@
 """NOTE [ Rebuilt storages ]
-Under ``recompute`` a storage whose recipe (rebuild.py, NOTE [ Recipes ]) reads only inputs the
+Under ``recompute`` a storage whose recipe (recompute/recipes.py, NOTE [ Recipes ]) reads only inputs the
 engine holds anyway (parameters, storages saved in this forward: kept, swapped or rebuilt
 themselves) is offloaded without a copy when the engine would otherwise swap it: its source is
 dropped at once, and backward runs the op again at its first use, on its stream, from its inputs
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from .. import params
-from ..rebuilds import sample_words
+from ..recompute.rebuilds import sample_words
 from .records import Kept, NotAtHand, Offloaded, bytes_of, counter_only, modified_error
 
 __all__ = ["RecipeOffload"]      # a room of SwapEngine (core.py)

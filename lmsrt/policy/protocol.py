@@ -17,7 +17,7 @@ from typing import List, Optional, Protocol
 
 from ..config import LMSConfig
 from ..plan import OffloadPlan
-from ..region_plan import StepFigures, memory_budget
+from ..recompute.plan import StepFigures, memory_budget
 from .profile import Profile
 
 __all__ = ["Policy", "LimitShares"]
@@ -98,7 +98,7 @@ class LimitShares:
 
     def compiled_budget(self, step: StepFigures, blocks: int) -> float:
         """The recompute budget of blocks compiled under this LMS that save ``blocks`` bytes a
-        step, from a learnt step's figures (compiled.py, NOTE [ Regions under LMS ], Rule 7;
+        step, from a learnt step's figures (recompute/compiled.py, NOTE [ Regions under LMS ], Rule 7;
         ``region_plan.memory_budget``); 1.0 leaves torch's default."""
         return memory_budget(step, blocks)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .region_safety import BlockState
+from .safety import BlockState
 
-__all__ = ["BlockFinder", "Region", "blocks_line"]
+__all__ = ["BlockFinder", "Region", "blocks_line", "repeated_children"]
 
 _LEARNING = 2            # a region's first calls whose inputs are watched after it (Rule 5)
 
@@ -38,6 +38,19 @@ class Region:
         self.param_ids: set = set()
         self.copies = False         # copy inputs its ops did not save (Rule 5)
         self.learning = _LEARNING   # calls left whose drop waits for the next region's entry
+
+
+def repeated_children(children: Sequence[nn.Module]) -> List[int]:
+    """Rule 1: the indices of ``children`` (a container's, in order) whose class appears among
+    them more than once: the repeated blocks, for regions (``BlockFinder``) and for compiling
+    block by block (compiled.py) alike.
+
+    Example::
+
+        repeated_children(list(model.transformer.h))     # [0, 1, ..., 11]
+    """
+    counts = collections.Counter(type(c) for c in children)
+    return [i for i, c in enumerate(children) if counts[type(c)] > 1]
 
 
 class BlockFinder:
@@ -66,16 +79,15 @@ class BlockFinder:
             containers.append(module)
         for container in containers:
             children = list(container)
-            counts = collections.Counter(type(c) for c in children)
             # Compiled blocks are torch.compile's partitioner's to recompute (Rule 1).
-            repeated = [i for i, c in enumerate(children) if counts[type(c)] > 1
-                        and getattr(c, "_compiled_call_impl", None) is None]
+            repeated = [i for i in repeated_children(children)
+                        if getattr(children[i], "_compiled_call_impl", None) is None]
             if not repeated or any(c in self.of for c in children):
                 continue
             label = self.names.get(container) or type(container).__name__
             chain = (isinstance(container, nn.Sequential)
                      and type(container).forward is nn.Sequential.forward)
-            if chain and len(counts) > 1:
+            if chain and len({type(c) for c in children}) > 1:
                 self.mixed.append((label, container))
                 self.scanned_children.update(children)
                 continue

@@ -34,9 +34,10 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from .hook_stack import hooks_aside
-from .region_plan import StepFigures, over_bound
-from .units import format_bytes
+from ..hook_stack import hooks_aside
+from .finder import repeated_children
+from .plan import StepFigures, over_bound
+from ..units import format_bytes
 
 __all__ = ["CompileAdvice", "capturing", "hooks_aside", "install", "made_regions",
            "repeated_blocks"]
@@ -117,11 +118,8 @@ def repeated_blocks(model: nn.Module) -> List[nn.Module]:
         if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        counts: dict = {}
-        for child in children:
-            counts[type(child)] = counts.get(type(child), 0) + 1
-        found = [c for c in children
-                 if counts[type(c)] >= 2 and next(c.children(), None) is not None]
+        found = [children[i] for i in repeated_children(children)
+                 if next(children[i].children(), None) is not None]
         blocks += found
         inside.update(id(m) for c in found for m in c.modules())
     return blocks

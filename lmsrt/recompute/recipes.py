@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import (
     _disable_current_modes,
 )
 
-from .options import spelled
+from ..options import spelled
 
 __all__ = ["REBUILDABLE", "Recipe", "Recorder", "RecipeTable", "census", "view_of"]
 

@@ -17,10 +17,10 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .engine.records import counter_only, modified_error
-from .hook_stack import remove_own_hooks
-from .options import spelled
-from .region_safety import ambient, generator_states, restore_ambient
+from ..engine.records import counter_only, modified_error
+from ..hook_stack import remove_own_hooks
+from ..options import spelled
+from .safety import ambient, generator_states, restore_ambient
 
 __all__ = ["Frame", "rerun"]
 

@@ -15,12 +15,16 @@ import dataclasses
 import math
 from typing import List, Sequence, Tuple
 
-__all__ = ["StepFigures", "calibrated", "choose_regions", "memory_budget", "over_bound",
-           "LEAST_BUDGET"]
+from ..units import format_bytes
+
+__all__ = ["StepFigures", "calibrated", "checked", "choose_regions", "memory_budget",
+           "over_bound", "LEAST_BUDGET"]
 
 LEAST_BUDGET = 0.1      # memory_budget's floor: below it the partitioner keeps little more than
                         # the blocks' inputs, and what must still leave is moved
 _BUDGET_STEP = 0.05     # budgets are rounded down to this: one said, compiled and cached value
+_EXPOSED_SLACK = 0.05   # waits under the prediction plus this share of the passes' time are the
+                        # plan's own (``checked``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,28 @@ def calibrated(step: StepFigures, freed: int, exposed: float) -> StepFigures:
         else:
             hi = mid
     return dataclasses.replace(step, hide=round(lo, 3))
+
+
+def checked(figures: StepFigures, step) -> Tuple[StepFigures, List[str]]:
+    """NOTE [ Region plan ], 5: ``figures`` made to agree with the first planned step (a
+    ``StepStats``), and what disagreed, in words (none: the plan stands). Where the step took
+    more off the GPU (moved, rebuilt, recomputed) than the excess by over an eighth, the
+    excess is what it took; where its compute stream waited longer for copies than predicted
+    (by over 5% of the passes' time), ``calibrated`` to those waits."""
+    said = []
+    left = step.out_bytes + step.recipe_bytes + step.recomputed_bytes
+    if left > figures.excess + (figures.excess >> 3):
+        figures = dataclasses.replace(figures, excess=left, rebuilt=step.recipe_bytes)
+        said.append(f"step {step.step} took {format_bytes(left)} off the GPU, more than the "
+                    "plan's excess")
+    exposed = (step.swapout_wait_ms + step.swapin_wait_ms) / 1e3
+    freed = step.recomputed_bytes
+    predicted = figures.swap_seconds(freed)
+    if exposed > predicted + _EXPOSED_SLACK * (figures.t_fwd + figures.t_bwd):
+        figures = calibrated(figures, freed, exposed)
+        said.append(f"its copies stalled compute {exposed * 1e3:.1f} ms, "
+                    f"{predicted * 1e3:.1f} predicted")
+    return figures, said
 
 
 def over_bound(step, bound: int) -> Tuple[int, int]:

@@ -9,7 +9,7 @@ first use of one of them, as ``torch.utils.checkpoint`` (non-reentrant) does. Th
 running them again: NOTE [ Region plan ].
 
 NOTE [ Recomputed regions ]
-  Rule 1 (what a region is; region_finder.py). A child of an ``nn.ModuleList`` or
+  Rule 1 (what a region is; finder.py). A child of an ``nn.ModuleList`` or
     ``nn.Sequential`` whose class appears there more than once, unless compiled (compiled.py:
     the partitioner's budget chooses what it recomputes); one object listed several times is one
     region. In a plain ``nn.Sequential`` of mixed classes (a conv net's layers), children are
@@ -29,7 +29,7 @@ NOTE [ Recomputed regions ]
     returns), and at the ``with`` block's exit or the next step; each close takes exactly its own
     hooks off the stack. A frame that raised or was left keeps what it saved, as does one that
     changed an input in place (Rule 6): kept tensors go to the engine, which keeps or swaps them.
-  Rule 4 (recomputed; region_frames.py). At the first unpack of a dropped tensor, the region
+  Rule 4 (recomputed; frames.py). At the first unpack of a dropped tensor, the region
     runs again from its inputs (brought back by the engine) with grad on, up to the save of the
     last tensor it dropped (the rest is skipped, as torch's checkpoint stops early). The running
     statistics of its batch norms in training mode, updated once by forward, are put back after
@@ -41,7 +41,7 @@ NOTE [ Recomputed regions ]
     changed after it (``x += block(x)``): a region's first calls drop at the next region's entry
     only if such inputs stood unchanged, else they keep and the region's later calls hand the
     engine a copy of those inputs; a change seen only in backward raises saying so.
-  Rule 6 (what is restored, what is refused; region_safety.py). The rerun restores the CPU RNG
+  Rule 6 (what is restored, what is refused; safety.py). The rerun restores the CPU RNG
     and that of every CUDA device its tensors live on, autocast, the backend flags,
     ``sdpa_kernel``'s backends, deterministic mode and each module's train flag as in forward.
     Refused, said once with the block and why (``refuse``; ``stats()["regions"]["refused"]``):
@@ -96,12 +96,12 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from . import params
-from .region_finder import BlockFinder, Region, blocks_line
-from .region_frames import Frame, rerun
-from .region_plan import StepFigures, calibrated, choose_regions, over_bound
-from .say import say_once
-from .units import format_bytes
+from .. import params
+from .finder import BlockFinder, Region, blocks_line
+from .frames import Frame, rerun
+from .plan import StepFigures, checked, choose_regions, over_bound
+from ..say import say_once
+from ..units import format_bytes
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
 
@@ -109,8 +109,6 @@ SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time
                                # sets ``Regions.bandwidth`` to make them cost)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
-_EXPOSED_SLACK = 0.05    # waits under the prediction plus this share of the passes' time are
-                         # the plan's own (NOTE [ Region plan ], 5)
 
 
 class Regions:
@@ -419,33 +417,7 @@ class Regions:
 
     def _plan(self) -> None:
         """NOTE [ Region plan ]."""
-        seen, order = set(), []
-        for region, start, end, waits in self._timings:
-            if end is None or isinstance(waits, tuple):      # still running on another thread
-                continue
-            if not self.simulated:
-                end.synchronize()
-            seconds = (end - start) if self.simulated else start.elapsed_time(end) / 1e3
-            # What forward waited for copies out inside it is the learning step's, not its own
-            # (measured on a GPT of 24 layers: 106 ms of forward timed, ~45 in a plain step).
-            waited = sum(a.elapsed_time(b) for _, a, b in waits) / 1e3
-            seconds = max(seconds - waited, seconds / 4)
-            region.seconds = seconds if region not in seen else min(region.seconds, seconds)
-            if region not in seen:
-                seen.add(region)
-                order.append(region)
-        self.order = order
-        # The timing step learns: its swaps and pins slow some regions down (measured on a
-        # 24-layer Llama: 3.4 to 5.4 ms a layer, 115 ms in all, against a plain forward of 62
-        # ms), which made the plan count on copies hiding under a forward twice as long as it
-        # is. Blocks of one class do the same work: each counts at the fastest of its class,
-        # and so does forward's time.
-        fastest: dict = {}
-        for r in order:
-            kind = type(r.modules[0])
-            fastest[kind] = min(fastest.get(kind, r.seconds), r.seconds)
-        for r in order:
-            r.seconds = fastest[type(r.modules[0])]
+        self.order = order = _timed_order(self._timings, self.simulated)
         t_fwd = sum(r.seconds for r in order)
         bandwidth = self.bandwidth or link_bandwidth(self.engine.device)
         usable = [r for r in order if r.usable]
@@ -472,20 +444,7 @@ class Regions:
         figures = self.figures
         if figures is None:
             return
-        left = step.out_bytes + step.recipe_bytes + step.recomputed_bytes
-        said = []
-        if left > figures.excess + (figures.excess >> 3):
-            figures = dataclasses.replace(figures, excess=left, rebuilt=step.recipe_bytes)
-            said.append(f"step {step.step} took {format_bytes(left)} off the GPU, more than the "
-                        f"plan's excess")
-        exposed = (step.swapout_wait_ms + step.swapin_wait_ms) / 1e3
-        freed = step.recomputed_bytes
-        if exposed > figures.swap_seconds(freed) + _EXPOSED_SLACK * (figures.t_fwd
-                                                                      + figures.t_bwd):
-            predicted = figures.swap_seconds(freed)
-            figures = calibrated(figures, freed, exposed)
-            said.append(f"its copies stalled compute {exposed * 1e3:.1f} ms, "
-                        f"{predicted * 1e3:.1f} predicted")
+        figures, said = checked(figures, step)
         if not said:
             return
         usable = [r for r in self.order if r.usable]
@@ -530,6 +489,37 @@ class Regions:
                     note=self.note, recomputed=step.recomputed_regions,
                     dropped_bytes=step.recomputed_bytes, recompute_ms=step.recompute_ms,
                     kept_calls=self._kept_calls)
+
+
+def _timed_order(timings: list, simulated: bool) -> List[Region]:
+    """The timing step's regions in forward order, each with its ``seconds`` (NOTE [ Region
+    plan ], 3) from its timed spans ([region, start, end, forward waits for copies out])."""
+    seen, order = set(), []
+    for region, start, end, waits in timings:
+        if end is None or isinstance(waits, tuple):      # still running on another thread
+            continue
+        if not simulated:
+            end.synchronize()
+        seconds = (end - start) if simulated else start.elapsed_time(end) / 1e3
+        # What forward waited for copies out inside it is the learning step's, not its own
+        # (measured on a GPT of 24 layers: 106 ms of forward timed, ~45 in a plain step).
+        waited = sum(a.elapsed_time(b) for _, a, b in waits) / 1e3
+        seconds = max(seconds - waited, seconds / 4)
+        region.seconds = seconds if region not in seen else min(region.seconds, seconds)
+        if region not in seen:
+            seen.add(region)
+            order.append(region)
+    # The timing step learns: its swaps and pins slow some regions down (measured on a 24-layer
+    # Llama: 3.4 to 5.4 ms a layer, 115 ms in all, against a plain forward of 62 ms), which made
+    # the plan count on copies hiding under a forward twice as long as it is. Blocks of one
+    # class do the same work: each counts at the fastest of its class, and so does forward's.
+    fastest: dict = {}
+    for r in order:
+        kind = type(r.modules[0])
+        fastest[kind] = min(fastest.get(kind, r.seconds), r.seconds)
+    for r in order:
+        r.seconds = fastest[type(r.modules[0])]
+    return order
 
 
 def link_bandwidth(device) -> float:

@@ -1,4 +1,4 @@
-"""``Rebuilds``: what a swap engine knows of rebuilding (rebuild.py, NOTE [ Recipes ]): which
+"""``Rebuilds``: what a swap engine knows of rebuilding (recipes.py, NOTE [ Recipes ]): which
 signatures are trusted, running and checking rebuilds, and their GPU time.
 
 Example::
@@ -16,8 +16,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
-from .rebuild import Recipe, RecipeTable, Recorder, _Input, _view
-from .say import say_once
+from .recipes import Recipe, RecipeTable, Recorder, _Input, _view
+from ..say import say_once
 
 __all__ = ["Rebuilds", "sample_words"]
 
