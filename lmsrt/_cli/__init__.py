@@ -21,6 +21,7 @@ COMMANDS = {
     "info": ("info", "Show versions, GPUs, host memory, pinned budget and native parts."),
     "profile": ("profile", "Run one training step of SCRIPT and report where its memory goes."),
     "run": ("run", "Run SCRIPT with LMS enabled from its first line to its last."),
+    "steps": ("steps", "Show each step of a run from its --stats file, or plot them."),
     "tune": ("tune", "Find the LMS settings that train SCRIPT fastest."),
 }
 

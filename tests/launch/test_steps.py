@@ -1,0 +1,80 @@
+"""`lmsrt steps`: a run's steps one by one from its --stats file (lmsrt/_cli/steps.py)."""
+import json
+
+import pytest
+from processes import write
+from test_cli import MLP_SCRIPT, invoke
+
+from lmsrt._cli.steps import format_steps, step_rows
+
+
+@pytest.fixture
+def stats_file(tmp_path):
+    path = tmp_path / "stats.json"
+    result = invoke("run", "-q", "--lms", "1", "--lms-frac", "0", "--stats", str(path),
+                    write(tmp_path / "train.py", MLP_SCRIPT), "7")
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_each_finished_step_is_a_line_with_its_own_figures(stats_file):
+    stats = json.loads(stats_file.read_text())
+    rows = step_rows(stats)
+    history = stats["history"]
+    assert [r["step"] for r in rows] == [s["step"] for s in history] and len(rows) >= 5
+    # Step i's time is step_times_s[i - 2]; step 1 has none.
+    assert rows[0]["step"] == 1 and rows[0]["time"] is None
+    assert [r["time"] for r in rows[1:]] == stats["step_times_s"][:len(rows) - 1]
+    assert all(r["out"] == s["out_bytes"] and r["mode"] == s["mode"]
+               for r, s in zip(rows, history))
+    result = invoke("steps", str(stats_file))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:3] == ["step", "mode", "time"]
+    body = [ln.split() for ln in lines[1:1 + len(rows)]]
+    assert [int(b[0]) for b in body] == [r["step"] for r in rows]
+    assert [b[1] for b in body] == [r["mode"] for r in rows]
+    assert "settled step" in result.output
+
+
+def test_last_n_steps_and_the_changes_of_plan_said_once(stats_file):
+    stats = json.loads(stats_file.read_text())
+    for s in stats["history"]:
+        s["policy_note"] = "learnt" if s["step"] < 3 else "offloads 2 of 8"
+    text = format_steps(stats, last=4)
+    body = text.split("\n\n")[0].splitlines()[1:]
+    assert len(body) == 4 and body[-1].split()[0] == str(stats["history"][-1]["step"])
+    assert sum("offloads 2 of 8" in line for line in body) == 1     # said where it changed
+
+
+def test_what_is_not_a_stats_file_is_refused_in_one_line(tmp_path):
+    bad = write(tmp_path / "bad.json", "[1, 2]")
+    result = invoke("steps", bad)
+    assert result.exit_code == 1 and "not a stats file" in result.output
+    garbage = write(tmp_path / "garbage.json", "{")
+    result = invoke("steps", garbage)
+    assert result.exit_code == 1 and "cannot read" in result.output
+    assert invoke("steps", str(tmp_path / "none.json")).exit_code == 2
+
+
+def test_plot_draws_the_steps(stats_file, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "steps.png"
+    result = invoke("steps", str(stats_file), "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(stats_file, tmp_path, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    result = invoke("steps", str(stats_file), "--plot", str(tmp_path / "x.png"))
+    assert result.exit_code == 1 and "pip install matplotlib" in result.output
+    assert not (tmp_path / "x.png").exists()
