@@ -322,11 +322,14 @@ def test_sigterm_writes_the_stats_and_exits_143(tmp_path, how):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
-        assert proc.stdout.readline().startswith("step 0")
-        while not proc.stdout.readline().startswith("READY"):
-            pass
+        seen = [proc.stdout.readline()]
+        assert seen[0].startswith("step 0"), proc.stderr.read()
+        while not seen[-1].startswith("READY"):
+            seen.append(proc.stdout.readline())
+            # A script that ended before it was ready ends the test, not an endless wait.
+            assert seen[-1], f"the script ended before READY: {seen}\n{proc.stderr.read()}"
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 143, stderr                     # what a shell shows for SIGTERM
