@@ -62,22 +62,8 @@ CAPS = {"gpt": (5, 6, 8, 12, 16), "gptbig": (8, 12, 16), "seg": (9, 10, 12, 16),
 # -- child: one method at one cap, in its own process -------------------------------------------
 
 def _bandwidth() -> dict:
-    import torch
-    n = 256 << 20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        for _ in range(2):
-            dst.copy_(src, non_blocking=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(8):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        out[name] = 8 * n / (start.elapsed_time(end) / 1e3)
-    return out
+    from lmsrt.device import copy_bandwidth
+    return copy_bandwidth(0, 256 << 20, reps=8)
 
 
 def _phases(work, steps: int) -> tuple:

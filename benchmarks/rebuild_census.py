@@ -1,8 +1,8 @@
 """How much of what each workload saves for backward a recipe could rebuild instead of moving.
 
-For each workload, one forward runs with lmsrt's recipe recorder on (lmsrt/recompute/recipes.py, NOTE
-[ Recipes ]); the table gives the bytes saved (eligible storages of 1 MB or more, each once), the
-bytes whose recipe's inputs stay available (rebuildable: they need not cross PCIe), by op, and
+For each workload, one forward runs with lmsrt's recipe recorder on (lmsrt/recompute/recipes.py,
+NOTE [ Recipes ]); the table gives the bytes saved (eligible storages of 1 MB or more, each once),
+the bytes whose recipe's inputs stay available (rebuildable: they need not cross PCIe), by op, and
 checks that every recipe rebuilds its tensor bit for bit. On a GPU the workloads run at the
 benchmark's sizes; on a CPU (``--device cpu``), scaled down, for the shares only.
 

@@ -18,9 +18,9 @@ from typing import Set, Tuple
 
 import torch
 
-from .recompute.compiled import made_regions
 from .config import LMSConfig
 from .options import spelled
+from .recompute.compiled import made_regions
 from .say import say_once
 from .stats import StepStats
 from .units import MiB, format_bytes

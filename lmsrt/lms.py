@@ -10,11 +10,11 @@ from typing import Callable, Dict, Optional, Union
 import torch
 
 from . import arena, torch_patches
-from .recompute import compiled
 from .config import LMSConfig
 from .device import resolve_device
 from .engine import SwapEngine
 from .options import OPTIONS, describe, spelled
+from .recompute import compiled
 from .recompute.regions import Regions
 from .say import say_once
 from .stats import StepStats

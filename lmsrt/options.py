@@ -140,7 +140,8 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
                "otherwise swap them; each kind is first checked bit for bit against a copy (on "
                "by default). Also recompute whole repeated blocks (a transformer's layers, a conv "
                "net's stages) in backward where moving their activations would cost more step "
-               "time (lmsrt/recompute/regions.py). Rebuilds read parameters as they are in backward: turn it "
+               "time (lmsrt/recompute/regions.py). Rebuilds read parameters as they are in "
+               "backward: turn it "
                "off where they change between forward and backward (through .data, FSDP or "
                "ZeRO-3 resharding).",
            what="on or off", example="on", metavar="on|off",

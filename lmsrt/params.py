@@ -1,8 +1,8 @@
 """Rebuilds that read parameters are made before the parameters change.
 
 NOTE [ Parameters a rebuild reads ]
-A rebuild (recompute/recipes.py, NOTE [ Recipes ]) reads its inputs as they are in backward; autograd
-reads what forward saved. For a parameter the two part when it changes in between: an
+A rebuild (recompute/recipes.py, NOTE [ Recipes ]) reads its inputs as they are in backward;
+autograd reads what forward saved. For a parameter the two part when it changes in between: an
 optimizer step of one network before the backward of a graph that went through it (GAN loops),
 decoupled weight decay or an EMA written through ``p.data``. So every rebuild that reads a
 parameter is noted by the engine (``SwapEngine.materialize``), and made at once, while the

@@ -41,8 +41,8 @@ needs them does, undone when the last of them closes or is collected.
      lives (params.py, Rule 1). Counted, as 7.
 
 Held only while in use, and not counted here: the saved-tensor hooks lmsrt pushes (per ``with
-lms:``), the global module forward hooks of region recompute (per LMS, recompute/regions.py) and of the
-profiler (per profiled step, profiler/recorder.py).
+lms:``), the global module forward hooks of region recompute (per LMS, recompute/regions.py)
+and of the profiler (per profiled step, profiler/recorder.py).
 
 Example::
 

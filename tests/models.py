@@ -58,10 +58,11 @@ def pins_at_hand(lms: lmsrt.LMS, nbytes: int = 256 << 20) -> None:
 
 
 def rebuild_small_tensors(kind: str, monkeypatch=None) -> None:
-    """On CUDA, let the rebuilds of the tests' small models pass the cost rule (recompute/rebuilds.py,
-    ``_COPY_FIXED_S``): a rebuild of a few KB, timed on an idle GPU, is its launch (tens of
-    us), and the rule rightly prefers the copy then. What these tests check is exactness; the
-    rule has a test of its own, and the benchmark shows rebuilds kept at real sizes."""
+    """On CUDA, let the rebuilds of the tests' small models pass the cost rule
+    (recompute/rebuilds.py, ``_COPY_FIXED_S``): a rebuild of a few KB, timed on an idle GPU, is its
+    launch (tens of us), and the rule rightly prefers the copy then. What these tests check is
+    exactness; the rule has a test of its own, and the benchmark shows rebuilds kept at real
+    sizes."""
     if kind == "cuda":
         import lmsrt.recompute.rebuilds
         if monkeypatch is not None:

@@ -1,5 +1,6 @@
 """A model compiled whole under LMS is compiled block by block, and CUDA graph capture runs with
-lmsrt's hooks aside (lmsrt/recompute/compiled.py). Compiling on the CPU is slow: tiny models, few tests."""
+lmsrt's hooks aside (lmsrt/recompute/compiled.py). Compiling on the CPU is slow: tiny models,
+few tests."""
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,8 @@ from models import (
 from processes import clean_env, write
 from torch import nn
 
-import lmsrt.recompute.compiled
 import lmsrt.lms
+import lmsrt.recompute.compiled
 import lmsrt.say
 from lmsrt.recompute.compiled import repeated_blocks
 

@@ -783,9 +783,9 @@ def test_a_model_under_half_the_limit_neither_pins_nor_moves(limit, script):
 
 
 def test_learning_again_keeps_the_allocators_lessons_and_tuned_shapes():
-    """recompute/regions.py has the engine learn again when it recomputes other regions: what the model
-    saves changed, not the shapes cuDNN tuned (one learning step, not two) nor the headroom that
-    allocation failures raised (NOTE [ Auto ], 7)."""
+    """recompute/regions.py has the engine learn again when it recomputes other regions: what the
+    model saves changed, not the shapes cuDNN tuned (one learning step, not two) nor the headroom
+    that allocation failures raised (NOTE [ Auto ], 7)."""
     device = SimulatedDevice(capacity=CAP, strict=True)
     model = _Tuned(device, **BACKWARD_TRANSIENT)
     lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto")

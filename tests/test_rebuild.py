@@ -1,7 +1,7 @@
-"""Recipes for saved tensors (recompute/recipes.py, NOTE [ Recipes ]): which saved tensors a cheap op made
-from inputs that stay available, and that running the op again gives the same bits; and the engine
-rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt storages ]),
-with gradients compared by torch.equal against the run without LMS."""
+"""Recipes for saved tensors (recompute/recipes.py, NOTE [ Recipes ]): which saved tensors a cheap
+op made from inputs that stay available, and that running the op again gives the same bits; and the
+engine rebuilding them in backward instead of moving them (engine/recipes.py, NOTE [ Rebuilt
+storages ]), with gradients compared by torch.equal against the run without LMS."""
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,5 @@
-"""Regions recomputed without being asked reproduce forward exactly, or are refused and said
-(issue 47; NOTE [ Recomputed regions ] in lmsrt/recompute/regions.py). Each case trains the same seeded
+"""Regions recomputed without being asked reproduce forward exactly, or are refused and said (issue
+47; NOTE [ Recomputed regions ] in lmsrt/recompute/regions.py). Each case trains the same seeded
 model with and without an LMS whose plan recomputes every region, and compares the losses, the
 gradients and every buffer with ``torch.equal``; a refusal is asserted with its reason. Each
 check runs on the simulated device, and on CUDA under the marker:

@@ -1,5 +1,5 @@
-"""Recomputed regions (lmsrt/recompute/regions.py): repeated blocks found without model changes, dropped in
-forward and run again in backward, exactly: gradients, dropout, autocast and batch norm's
+"""Recomputed regions (lmsrt/recompute/regions.py): repeated blocks found without model changes,
+dropped in forward and run again in backward, exactly: gradients, dropout, autocast and batch norm's
 running statistics equal to the run without lmsrt, bit for bit."""
 import contextlib
 
@@ -304,42 +304,12 @@ def test_the_plan_settles_by_step_three_with_no_trial_steps(monkeypatch, choice)
     assert all(s["mode"] == "plan" and s["recomputed_regions"] == want for s in settled), settled
 
 
-def test_a_plan_whose_step_took_more_off_the_gpu_than_its_excess_recomputes_more(monkeypatch):
-    """NOTE [ Region plan ], 5: the first planned step is read once; where it took more off the
-    GPU than the excess planned for (made so here: the plan's figures say 1 byte), the plan is
-    made again and the engine learns the added regions in one step; later steps follow it,
-    exactly."""
-    import dataclasses
-
-    import lmsrt.recompute.regions
-    choices = iter([[2, 3], [1, 2, 3]])
-    monkeypatch.setattr(lmsrt.recompute.regions, "choose_regions", lambda regions, figures: next(choices))
-    torch.manual_seed(0)
-    model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
-    plain_model.load_state_dict(model.state_dict())
-    lms = _lms("sim")
-
-    def shrink(step: int) -> None:
-        regions = lms._regions
-        if step == 4:
-            regions.figures = dataclasses.replace(regions.figures, excess=1)
-
-    lms.add_step_listener(shrink)
-    with _deterministic():
-        assert_same_steps(_train(plain_model, x, 8), _train(model, x, 8, lms))
-    history = lms.stats()["history"]
-    assert [s["step"] for s in history if s["mode"] != "plan"] == [1, 2, 3, 5], history
-    assert [s["recomputed_regions"] for s in history[3:]] == [2, 3, 3, 3], history
-    assert "took" in lms.stats()["regions"]["note"]
-
-
-def test_a_plan_whose_copies_stalled_compute_longer_than_predicted_recomputes_more(monkeypatch):
-    """NOTE [ Region plan ], 5: where the first planned step's compute stream waited longer for
-    its copies than the plan predicted (made so here: 0.5 s of waits where the figures say the
-    copies hide), the plan is made again from figures that predict those waits, and the engine
-    learns the added regions in one step; later steps follow it, exactly."""
-    import dataclasses
-
+def _replanned(monkeypatch, at_step_four, stalled_model=None) -> tuple:
+    """Eight steps whose plan recomputes the last two regions of four, then (the check of the
+    first planned step, NOTE [ Region plan ], 5) the last three, exactly as the plain run;
+    ``at_step_four(regions)`` changes the plan's figures as step 4 begins, and
+    ``stalled_model(lms, model)`` the model. Returns the LMS and the figures the plan was made
+    from each time."""
     import lmsrt.recompute.regions
     seen, choices = [], iter([[2, 3], [1, 2, 3]])
 
@@ -352,28 +322,54 @@ def test_a_plan_whose_copies_stalled_compute_longer_than_predicted_recomputes_mo
     model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
     plain_model.load_state_dict(model.state_dict())
     lms = _lms("sim")
-
-    def hiding(step: int) -> None:
-        regions = lms._regions
-        if step == 4:       # a fast link: the plan counts on the copies hiding
-            regions.figures = dataclasses.replace(regions.figures, bandwidth=1e12, t_fwd=0.01,
-                                                  t_bwd=0.02)
-
-    def stall(module, args):
-        if lms._regions.step == 4:
-            lms._engine.step.swapout_wait_ms = 500.0
-
-    lms.add_step_listener(hiding)
-    model.register_forward_pre_hook(stall)
+    lms.add_step_listener(lambda step: at_step_four(lms._regions) if step == 4 else None)
+    if stalled_model is not None:
+        stalled_model(lms, model)
     with _deterministic():
         assert_same_steps(_train(plain_model, x, 8), _train(model, x, 8, lms))
     history = lms.stats()["history"]
     assert [s["step"] for s in history if s["mode"] != "plan"] == [1, 2, 3, 5], history
     assert [s["recomputed_regions"] for s in history[3:]] == [2, 3, 3, 3], history
+    return lms, seen
+
+
+def test_a_plan_whose_step_took_more_off_the_gpu_than_its_excess_recomputes_more(monkeypatch):
+    """NOTE [ Region plan ], 5: the first planned step is read once; where it took more off the
+    GPU than the excess planned for (made so here: the plan's figures say 1 byte), the plan is
+    made again and the engine learns the added regions in one step; later steps follow it,
+    exactly."""
+    import dataclasses
+
+    def shrink(regions) -> None:
+        regions.figures = dataclasses.replace(regions.figures, excess=1)
+
+    lms, _ = _replanned(monkeypatch, shrink)
+    assert "took" in lms.stats()["regions"]["note"]
+
+
+def test_a_plan_whose_copies_stalled_compute_longer_than_predicted_recomputes_more(monkeypatch):
+    """NOTE [ Region plan ], 5: where the first planned step's compute stream waited longer for
+    its copies than the plan predicted (made so here: 0.5 s of waits where the figures say the
+    copies hide), the plan is made again from figures that predict those waits, and the engine
+    learns the added regions in one step; later steps follow it, exactly."""
+    import dataclasses
+
+    def hiding(regions) -> None:       # a fast link: the plan counts on the copies hiding
+        regions.figures = dataclasses.replace(regions.figures, bandwidth=1e12, t_fwd=0.01,
+                                              t_bwd=0.02)
+
+    def stalls(lms, model) -> None:
+        def stall(module, args):
+            if lms._regions.step == 4:
+                lms._engine.step.swapout_wait_ms = 500.0
+        model.register_forward_pre_hook(stall)
+
+    lms, seen = _replanned(monkeypatch, hiding, stalls)
     assert len(seen) == 2 and seen[0].hide == 1.0
     again = seen[1]
     assert again.hide < 1.0 or again.bandwidth < 1e12
-    assert again.swap_seconds(history[3]["recomputed_bytes"]) == pytest.approx(0.5, rel=1e-3)
+    step4 = lms.stats()["history"][3]
+    assert again.swap_seconds(step4["recomputed_bytes"]) == pytest.approx(0.5, rel=1e-3)
     assert "stalled compute 500.0 ms" in lms.stats()["regions"]["note"]
 
 

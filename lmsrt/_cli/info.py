@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sysconfig
 from typing import Dict, List, Optional
 
@@ -90,23 +89,12 @@ def _host() -> Dict[str, object]:
             "pinned_budget_setting": os.environ.get(OPTIONS["host_budget_gb"].env) or None}
 
 
-def _bandwidth(torch, nbytes: int = 256 * MiB, reps: int = 5) -> Dict[str, float]:
+def _bandwidth(nbytes: int = 256 * MiB, reps: int = 5) -> Dict[str, float]:
     """Pinned host <-> GPU copy speed in GB/s, the median of ``reps`` timed copies each way."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    result = {"bytes": nbytes, "reps": reps}
-    for name, dst, src in (("h2d_gbps", gpu, host), ("d2h_gbps", host, gpu)):
-        dst.copy_(src, non_blocking=True)   # warm-up: first-use costs are no bandwidth
-        seconds = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        result[name] = nbytes / statistics.median(seconds) / 1e9
-    return result
+    from ..device import copy_bandwidth
+    speeds = copy_bandwidth(0, nbytes, reps)
+    return {"bytes": nbytes, "reps": reps, "h2d_gbps": speeds["h2d"] / 1e9,
+            "d2h_gbps": speeds["d2h"] / 1e9}
 
 
 def collect(bandwidth: bool = False) -> Dict[str, object]:
@@ -145,7 +133,7 @@ def collect(bandwidth: bool = False) -> Dict[str, object]:
         "bandwidth": None,
     }
     if bandwidth:
-        data["bandwidth"] = _bandwidth(torch) if cuda else {"skipped": "no CUDA GPU"}
+        data["bandwidth"] = _bandwidth() if cuda else {"skipped": "no CUDA GPU"}
     return data
 
 

@@ -1,6 +1,6 @@
 """NOTE [ Rebuilt storages ]
-Under ``recompute`` a storage whose recipe (recompute/recipes.py, NOTE [ Recipes ]) reads only inputs the
-engine holds anyway (parameters, storages saved in this forward: kept, swapped or rebuilt
+Under ``recompute`` a storage whose recipe (recompute/recipes.py, NOTE [ Recipes ]) reads only
+inputs the engine holds anyway (parameters, storages saved in this forward: kept, swapped or rebuilt
 themselves) is offloaded without a copy when the engine would otherwise swap it: its source is
 dropped at once, and backward runs the op again at its first use, on its stream, from its inputs
 (a swapped input is brought back for it, early by the little that separates the two uses: an op's

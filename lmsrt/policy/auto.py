@@ -56,8 +56,8 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      first call of each shape tries every algorithm with workspaces as large as memory allows:
      a step with a sequence of sizes not seen in a learning step before is learnt again by the
      next, whose algorithms (chosen with the least held) are those later steps run.
-  7. Learn again when told (``relearn``: recompute/regions.py recomputes other regions). The headroom
-     and the retries found to be the model's own stay: they are the allocator's and the
+  7. Learn again when told (``relearn``: recompute/regions.py recomputes other regions). The
+     headroom and the retries found to be the model's own stay: they are the allocator's and the
      model's, not the plan's (a fresh policy gave back what allocation failures had taught, and
      a failure makes cuDNN keep a slower algorithm for the run). Under benchmark mode the step
      that learns runs shapes cuDNN has tuned already: learnt at once.
@@ -254,8 +254,8 @@ class AutoPolicy(LimitShares):
 
     def relearn(self) -> None:
         """Learn the model's own use again from the next step (NOTE [ Auto ], 7): what the
-        model saves changed (recompute/regions.py recomputes other regions), not the shapes it runs, nor
-        what the steps taught of the allocator (headroom, retries of the model's own)."""
+        model saves changed (recompute/regions.py recomputes other regions), not the shapes it
+        runs, nor what the steps taught of the allocator (headroom, retries of the model's own)."""
         self.learning = True
         self.profile = None
         self.correction = 0

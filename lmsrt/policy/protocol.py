@@ -98,8 +98,8 @@ class LimitShares:
 
     def compiled_budget(self, step: StepFigures, blocks: int) -> float:
         """The recompute budget of blocks compiled under this LMS that save ``blocks`` bytes a
-        step, from a learnt step's figures (recompute/compiled.py, NOTE [ Regions under LMS ], Rule 7;
-        ``region_plan.memory_budget``); 1.0 leaves torch's default."""
+        step, from a learnt step's figures (recompute/compiled.py, NOTE [ Regions under LMS ],
+        Rule 7; ``recompute.plan.memory_budget``); 1.0 leaves torch's default."""
         return memory_budget(step, blocks)
 
     def check_fits(self, use: int) -> bool:

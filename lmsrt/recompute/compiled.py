@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from ..hook_stack import hooks_aside
+from ..units import format_bytes
 from .finder import repeated_children
 from .plan import StepFigures, over_bound
-from ..units import format_bytes
 
 __all__ = ["CompileAdvice", "capturing", "hooks_aside", "install", "made_regions",
            "repeated_blocks"]

@@ -16,8 +16,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
-from .recipes import Recipe, RecipeTable, Recorder, _Input, _view
 from ..say import say_once
+from .recipes import Recipe, RecipeTable, Recorder, _Input, _view
 
 __all__ = ["Rebuilds", "sample_words"]
 

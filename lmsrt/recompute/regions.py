@@ -97,11 +97,12 @@ import torch
 from torch import nn
 
 from .. import params
+from ..device import copy_bandwidth
+from ..say import say_once
+from ..units import format_bytes
 from .finder import BlockFinder, Region, blocks_line
 from .frames import Frame, rerun
 from .plan import StepFigures, checked, choose_regions, over_bound
-from ..say import say_once
-from ..units import format_bytes
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
 
@@ -523,17 +524,8 @@ def _timed_order(timings: list, simulated: bool) -> List[Region]:
 
 
 def link_bandwidth(device) -> float:
-    """Pinned device-to-host copy bandwidth, bytes/s: one probe copy, as the plan is made."""
-    host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device.torch_device)
-    host.copy_(gpu, non_blocking=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(4):
-        host.copy_(gpu, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return 4 * _PROBE_BYTES / (start.elapsed_time(end) / 1e3)
+    """Pinned device-to-host copy bandwidth, bytes/s: one probe, as the plan is made."""
+    return copy_bandwidth(device.index, _PROBE_BYTES, reps=4, directions=("d2h",))["d2h"]
 
 
 def _ignore(step: int) -> None:
