@@ -21,7 +21,7 @@ import click
 
 from ..units import GiB, format_bytes
 
-__all__ = ["command", "step_rows", "format_steps"]
+__all__ = ["command", "format_steps", "learning_cost", "step_rows"]
 
 _COLUMNS = ("step", "mode", "time s", "out", "in", "rebuilt", "recomputed", "waited ms",
             "retries", "GPU peak", "after it")
@@ -69,11 +69,34 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
     regions = stats.get("regions") or {}
     tail = [f"settled step (median after warm-up): {median:.3f} s" if median else
             "settled step: too few steps timed"]
+    cost = learning_cost(stats)
+    if cost:
+        tail.append(cost)
     if regions.get("note"):
         tail.append(f"regions: {regions['note']}")
     tail.append("mode: reactive = a step that learnt (it swaps all it can), plan = one that "
                 "followed the plan; waited: GPU time forward and backward stood still for copies")
     return "\n".join(lines + [""] + tail)
+
+
+def learning_cost(stats: Dict[str, object]) -> str:
+    """What the steps that learnt cost beyond settled ones, and the first 30 timed steps
+    against 30 settled ones (steps 2 to 31: step 1 has no time), in words; "" where too few
+    steps were timed."""
+    median = stats.get("step_time_median_s")
+    times = stats.get("step_times_s") or []
+    if not median or len(times) < 2:
+        return ""
+    learnt = [r for r in step_rows(stats) if r["mode"] != "plan" and r["time"] is not None]
+    words = []
+    if learnt:
+        extra = sum(r["time"] - median for r in learnt)
+        words.append(f"steps that learnt ({', '.join(str(r['step']) for r in learnt)}) cost "
+                     f"{extra:+.2f} s over settled ones")
+    if len(times) >= 30:
+        words.append(f"steps 2-31 took {sum(times[:30]) / (30 * median):.2f}x thirty settled "
+                     "steps")
+    return "; ".join(words)
 
 
 def plot_steps(stats: Dict[str, object], path: str) -> None:

@@ -5,7 +5,7 @@ import pytest
 from processes import write
 from test_cli import MLP_SCRIPT, invoke
 
-from lmsrt._cli.steps import format_steps, step_rows
+from lmsrt._cli.steps import format_steps, learning_cost, step_rows
 
 
 @pytest.fixture
@@ -45,6 +45,19 @@ def test_last_n_steps_and_the_changes_of_plan_said_once(stats_file):
     body = text.split("\n\n")[0].splitlines()[1:]
     assert len(body) == 4 and body[-1].split()[0] == str(stats["history"][-1]["step"])
     assert sum("offloads 2 of 8" in line for line in body) == 1     # said where it changed
+
+
+def test_what_the_learning_steps_cost_is_said():
+    history = [dict(step=i, mode="reactive" if i in (1, 2, 4) else "plan", out_bytes=0,
+                    in_bytes=0, recipe_bytes=0, recomputed_regions=0, recomputed_bytes=0,
+                    swapin_wait_ms=0.0, alloc_retries=0, gpu_peak_bytes=0) for i in range(1, 41)]
+    times = [0.5 if i in (2, 4) else 0.2 for i in range(2, 41)]    # [i] is step i + 2
+    stats = dict(history=history, step_times_s=times, step_time_median_s=0.2)
+    said = learning_cost(stats)
+    assert "steps that learnt (2, 4) cost +0.60 s" in said
+    assert f"steps 2-31 took {(28 * 0.2 + 2 * 0.5) / 6.0:.2f}x thirty settled" in said
+    assert learning_cost(dict(stats, step_times_s=times[:10])).count("x thirty") == 0
+    assert learning_cost(dict(stats, step_time_median_s=None)) == ""
 
 
 def test_what_is_not_a_stats_file_is_refused_in_one_line(tmp_path):
