@@ -200,6 +200,8 @@ def test_a_peer_that_fits_is_taken_from_its_uncapped_run():
     # lmsrt beside it runs at 14 (the lowest cap it fits) and 10 (where it does not), not 20.
     assert taken == [("peer", 20), ("lmsrt+peer", 20), ("peer", 14)]
     assert matrix.first_cost([2.0] + [1.0] * 39) == pytest.approx(31 / 30)
+    assert matrix.first_cost([2.0] + [1.0] * 39, skip=1) == pytest.approx(1.0)
+    assert matrix.first_cost([9.0, 2.0] + [1.0] * 38, skip=1) == pytest.approx(31 / 30)
     assert matrix.settled([9.0] * 30 + [1.0] * 10) == 1.0
 
 
