@@ -19,10 +19,10 @@ below the peer's uncapped peak and at the lowest cap above it, where lmsrt must 
 Per row: the outcome, the settled step (median of the last 10), x uncapped (over plain's settled
 step), x peer (over the peer's at the same cap), the first-30 cost (the first 30 steps over 30
 settled ones) and 2-31 (the same from step 2: step 1 starts CUDA's libraries and builds what the
-script builds lazily, with or without lmsrt), the peak (torch.cuda.max_memory_allocated), and from lmsrt's --stats the bytes
-moved, rebuilt and recomputed in the last step. Writes clients.json and clients.md to --out, and
-each run's JSON, stats and log under --out/runs/. A run that fails or times out is recorded and
-the matrix goes on.
+script builds lazily, with or without lmsrt), the peak (torch.cuda.max_memory_allocated), and from
+lmsrt's --stats the bytes moved, rebuilt and recomputed in the last step. Writes clients.json and
+clients.md to --out, and each run's JSON, stats and log under --out/runs/. A run that fails or times
+out is recorded and the matrix goes on.
 """
 from __future__ import annotations
 
