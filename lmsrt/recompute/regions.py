@@ -378,6 +378,8 @@ class Regions:
         elif self.phase == "timing":
             self._plan()
         elif self.phase == "planned" and self._unchecked:
+            # Once: the GPU finishes the step, so that all its waits for copies are read.
+            self.engine.device.synchronize()
             ending = self.engine.current_step()
             if ending.mode == "plan":
                 self._check_plan(ending)
