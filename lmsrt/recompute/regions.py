@@ -79,10 +79,10 @@ NOTE [ Region plan ]
      waiting for copies (``swapout_wait_ms`` in forward, ``swapin_wait_ms`` in backward). Where
      it took more than the excess the plan was made for by over an eighth (the learning step's
      peak is not a planned step's: measured on a Llama, 10.7 GiB planned, 14.2 taken), or its
-     copies stalled compute longer than predicted (by over 5% of the passes' time: on the
-     Llama at 20 GiB, ~90 ms against 25), the plan's figures take the measured ones: the
-     excess, and how much of the passes hides copies (``calibrated``); the plan is made again,
-     and the engine learns the regions it adds; never fewer.
+     copies stalled compute longer than predicted (by over 5% of the passes' time), the plan's
+     figures take the measured ones (``checked``): the excess, and how much of the passes hides
+     copies (``calibrated``); the plan is made again, and the engine learns the regions it
+     adds; never fewer. (The GPU is synchronized once first, so that every wait is read.)
 """
 from __future__ import annotations
 
@@ -146,7 +146,8 @@ class Regions:
         self._lock = threading.Lock()
         self._said: set = set()         # this LMS's lines said once
         self._saw_grad = False          # this step ran a forward with grad (not an evaluation)
-        self._timings: list = []        # [region, start, end] of this step's recomputed forwards
+        self._timings: list = []        # [region, start, end, forward waits] of this step's
+                                        # recomputed forwards (the timing step)
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._kept_calls = 0            # this step's region calls that kept their tensors
         self._span: list = []           # forward's first region start and last region end
