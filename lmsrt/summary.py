@@ -108,7 +108,8 @@ def format_headline(stats: Dict[str, object]) -> str:
     """The run in one line: ``'lmsrt: 12 steps (6 optimizer steps), 0.301 s a step settled;
     GPU peak 10.0 MiB of 10.2 MiB (98%); a step swapped 4.00 MiB out, rebuilt 6.00 MiB,
     recomputed 0 B; lmsrt swapped 2 saved tensors a step to host memory, rebuilt cheap ones in
-    backward'``: the last step's bytes, and what lmsrt changed once settled.
+    backward'``: the last step's bytes (and where the GPU stood still for copies, for how long),
+    and what lmsrt changed once settled.
 
     ``stats`` is ``LMS.stats()``; the step time and optimizer steps are there under
     ``lmsrt run`` (``step_time_median_s``, ``optimizer_steps``), else left out."""
@@ -122,7 +123,9 @@ def format_headline(stats: Dict[str, object]) -> str:
     if limit:
         peak += f" of {format_bytes(limit)} ({t['gpu_peak_bytes'] / limit:.0%})"
     parts.append(peak)
-    parts.append(f"a step swapped {format_bytes(last['out_bytes'])} out, rebuilt "
+    waited = last.get("swapout_wait_ms", 0.0) + last.get("swapin_wait_ms", 0.0)
+    stalled = f" (the GPU waited {waited:.0f} ms for copies)" if waited >= 1 else ""
+    parts.append(f"a step swapped {format_bytes(last['out_bytes'])} out{stalled}, rebuilt "
                  f"{format_bytes(last['recipe_bytes'])}, recomputed "
                  f"{format_bytes(last['recomputed_bytes'])}")
     parts.append(_changed(stats))

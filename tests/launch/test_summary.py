@@ -106,6 +106,21 @@ def test_a_run_that_moved_nothing_says_lmsrt_changed_nothing():
                                                       "tensors fit")
 
 
+def test_the_headline_says_how_long_the_gpu_waited_for_copies_where_it_did():
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=4 * MiB), lms=1, lms_frac=0.0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 256))
+    with lms:
+        loss = model(torch.randn(512, 256)).square().mean()
+    loss.backward()
+    stats = lms.stats()
+    assert stats["last_step"]["out_bytes"] > 0
+    assert "waited" not in format_summary(stats, full=False)     # the simulated GPU never waits
+    stats["last_step"].update(swapout_wait_ms=30.2, swapin_wait_ms=11.9)
+    assert " out (the GPU waited 42 ms for copies), rebuilt " in format_summary(stats, full=False)
+    lms.close()
+
+
 @pytest.mark.parametrize("target", ["-", "/dev/stdout"])
 def test_stats_to_standard_output(tmp_path, target):
     result = lmsrt_process("run", "-q", "--stats", target,
