@@ -810,9 +810,10 @@ def test_a_deferred_storage_changed_in_place_raises_as_autograd_does():
 
 @pytest.mark.cuda
 def test_cuda_pinning_overlaps_the_first_step():
-    """About 12 GiB saved a step, everything swapped (lms_frac 0), nothing pinned ahead: over
-    half a second of pinning on an H100/H200 host. The first step does not wait for all of it:
-    forward goes on while pins run on their threads (copies deferred until their pins land),
+    """About 12 GiB saved a step, everything swapped (lms_frac 0) but what is rebuilt, nothing
+    pinned ahead: 4.7 GiB moved in the first step (H200), seconds of pinning. The first step
+    does not wait for all of it: forward goes on while pins run on their threads (copies
+    deferred until their pins land),
     the pins run while the training thread does not wait for them, and every step's gradients
     are exact. (How long the first step takes against a settled one is benchmarks/pinning.py's
     to measure: no test here asserts a duration.)"""
@@ -831,7 +832,7 @@ def test_cuda_pinning_overlaps_the_first_step():
         if step == 1:
             _until(lambda: pool.pins_in_flight == 0, timeout=120)   # then steps settle
     first = firsts[0]
-    assert first["out_bytes"] > 8 * 2**30, first                   # enough moved to tell
+    assert first["out_bytes"] > 2 * 2**30, first                   # enough moved to tell
     assert first["deferred_tensors"] > 0, first                    # forward went on
     # Pinning ran on its threads beside the step: the training thread waited for less of it
     # than the threads spent (summed over threads, as host_pin_s counts).
