@@ -190,6 +190,11 @@ def test_the_dry_run_lists_every_run():
     assert 3 <= len(quick) < n
     bad = _matrix("--dry-run", "--clients", "nope")
     assert bad.returncode == 2 and "nope" in bad.stderr
+    # A cap that is a share of plain's peak needs plain's run: said before anything runs.
+    share = _matrix("--dry-run", "--clients", "lightning", "--caps", "0.6", "--methods", "lmsrt")
+    assert share.returncode == 2 and "lightning has no plain run" in share.stderr, share.stderr
+    assert _matrix("--dry-run", "--clients", "lightning", "--caps", "14.2",
+                   "--methods", "lmsrt").returncode == 0
 
 
 def test_a_peer_that_fits_is_taken_from_its_uncapped_run():

@@ -326,6 +326,11 @@ def main(argv=None) -> None:
         ap.error(f"unknown client or method: {', '.join(sorted(unknown))}")
     args.out = os.path.abspath(args.out)
     runs = planned_runs(args)
+    unresolved = sorted({r.client for r in runs if r.fraction is not None}
+                        - {r.client for r in runs if r.method == "plain"})
+    if unresolved and not args.quick:
+        ap.error(f"caps under 1 are shares of the plain run's peak, and {', '.join(unresolved)} "
+                 "has no plain run: add plain to --methods, or give the caps in GiB")
     print(f"{len(runs)} runs at most; about {estimate_s(args, runs) / 60:.0f} min on an H100, "
           "some peer runs taken from the uncapped one", file=sys.stderr)
     if args.dry_run:
