@@ -2,8 +2,8 @@
 
 Where the summary gives the settled step, this shows how the run got there: which steps learnt
 (``reactive``, swapping all they could) and which followed a plan, each step's time, what it
-moved, rebuilt and recomputed, how long the GPU waited for copies, the allocator's retries, the
-peak, and what the plan changed after it. With ``--plot FILE`` the same as a picture (matplotlib,
+moved, rebuilt and recomputed and the GPU time those reruns took, how long the GPU waited for
+copies, the allocator's retries, the peak, and what the plan changed after it. With ``--plot FILE`` the same as a picture (matplotlib,
 where installed): step times, learning steps marked, and the bytes moved.
 
 Example::
@@ -23,8 +23,8 @@ from ..units import GiB, format_bytes
 
 __all__ = ["command", "format_steps", "learning_cost", "step_rows"]
 
-_COLUMNS = ("step", "mode", "time s", "out", "in", "rebuilt", "recomputed", "waited ms",
-            "retries", "GPU peak", "after it")
+_COLUMNS = ("step", "mode", "time s", "out", "in", "rebuilt", "recomputed", "rerun ms",
+            "waited ms", "retries", "GPU peak", "after it")
 
 
 def step_rows(stats: Dict[str, object]) -> List[Dict[str, object]]:
@@ -39,6 +39,7 @@ def step_rows(stats: Dict[str, object]) -> List[Dict[str, object]]:
             time=times[i] if 0 <= i < len(times) else None,
             out=s["out_bytes"], into=s["in_bytes"], rebuilt=s["recipe_bytes"],
             regions=s["recomputed_regions"], recomputed=s["recomputed_bytes"],
+            rerun=s.get("recompute_ms", 0.0) + s.get("rebuild_ms", 0.0),
             waited=s.get("swapout_wait_ms", 0.0) + s["swapin_wait_ms"],
             retries=s["alloc_retries"], peak=s["gpu_peak_bytes"], note=s.get("policy_note", "")))
     return rows
@@ -60,7 +61,7 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
             str(r["step"]), r["mode"], "-" if r["time"] is None else f"{r['time']:.3f}",
             format_bytes(r["out"]), format_bytes(r["into"]), format_bytes(r["rebuilt"]),
             f"{r['regions']} ({format_bytes(r['recomputed'])})" if r["regions"] else "0",
-            f"{r['waited']:.0f}", str(r["retries"]), format_bytes(r["peak"]), note])
+            f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"]), format_bytes(r["peak"]), note])
     widths = [max(len(row[c]) for row in table) for c in range(len(_COLUMNS) - 1)]
     lines = ["  ".join([cell.rjust(w) if c != 1 else cell.ljust(w)
                         for c, (cell, w) in enumerate(zip(row, widths))] + [row[-1]]).rstrip()
@@ -75,7 +76,9 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
     if regions.get("note"):
         tail.append(f"regions: {regions['note']}")
     tail.append("mode: reactive = a step that learnt (it swaps all it can), plan = one that "
-                "followed the plan; waited: GPU time forward and backward stood still for copies")
+                "followed the plan; rerun: GPU time of the regions recomputed and the tensors "
+                "rebuilt in backward; waited: GPU time forward and backward stood still for "
+                "copies")
     return "\n".join(lines + [""] + tail)
 
 

@@ -26,6 +26,7 @@ def test_each_finished_step_is_a_line_with_its_own_figures(stats_file):
     assert rows[0]["step"] == 1 and rows[0]["time"] is None
     assert [r["time"] for r in rows[1:]] == stats["step_times_s"][:len(rows) - 1]
     assert all(r["out"] == s["out_bytes"] and r["mode"] == s["mode"]
+               and r["rerun"] == s["recompute_ms"] + s["rebuild_ms"]
                for r, s in zip(rows, history))
     result = invoke("steps", str(stats_file))
     assert result.exit_code == 0, result.output
