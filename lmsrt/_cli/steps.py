@@ -3,8 +3,9 @@
 Where the summary gives the settled step, this shows how the run got there: which steps learnt
 (``reactive``, swapping all they could) and which followed a plan, each step's time, what it
 moved, rebuilt and recomputed and the GPU time those reruns took, how long the GPU waited for
-copies, the allocator's retries, the peak, and what the plan changed after it. With ``--plot FILE`` the same as a picture (matplotlib,
-where installed): step times, learning steps marked, and the bytes moved.
+copies, the allocator's retries, the peak, and what the plan changed after it. With ``--plot
+FILE`` the same as a picture (matplotlib, where installed): step times, learning steps marked,
+and the bytes moved.
 
 Example::
 
@@ -61,7 +62,8 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
             str(r["step"]), r["mode"], "-" if r["time"] is None else f"{r['time']:.3f}",
             format_bytes(r["out"]), format_bytes(r["into"]), format_bytes(r["rebuilt"]),
             f"{r['regions']} ({format_bytes(r['recomputed'])})" if r["regions"] else "0",
-            f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"]), format_bytes(r["peak"]), note])
+            f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"]),
+            format_bytes(r["peak"]), note])
     widths = [max(len(row[c]) for row in table) for c in range(len(_COLUMNS) - 1)]
     lines = ["  ".join([cell.rjust(w) if c != 1 else cell.ljust(w)
                         for c, (cell, w) in enumerate(zip(row, widths))] + [row[-1]]).rstrip()
