@@ -58,6 +58,9 @@ class StepStats:
                                           # (cuDNN then runs a slower algorithm, and keeps it for
                                           # the run)
     prefetch_dropped: int = _summed(0)    # restored copies given back unused: use ran over the plan
+    cpu_s: float = _summed(0.0)           # CPU seconds of the process's threads from this step's
+                                          # start to the next's (near its wall time: the host is
+                                          # the limit, not the GPU)
     gpu_peak_bytes: int = 0               # peak allocated GPU memory of the step
     forward_end_bytes: int = 0            # GPU use when forward ended, net of copies still in
                                           # flight

@@ -56,6 +56,7 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
     ("host refusals", "host_refused", "n"),
     ("allocator retries", "alloc_retries", "n"),
     ("  failed, caught", "alloc_failures", "n"),
+    ("host CPU (s)", "cpu_s", "s"),
     ("GPU peak allocated", "gpu_peak_bytes", "B"),
     ("host pinned peak", "host_peak_bytes", "B"),
     ("host pinned", "host_pinned_bytes", "B"),

@@ -72,7 +72,7 @@ def _check(name: str, argv, forced: bool) -> lmsrt.LMS:
         under = client.train(args, lms=lms, timer=timer)
     finally:
         lms.close()
-    assert timer.steps == args.steps and len(timer.times) == args.steps
+    assert timer.steps == args.steps and len(timer.times) == len(timer.cpu) == args.steps
     assert all(loss is not None and math.isfinite(loss) for loss in timer.losses), timer.losses
     want, got = plain.state_dict(), under.state_dict()
     assert list(want) == list(got)
@@ -223,6 +223,7 @@ def test_the_matrix_runs_the_hf_client_under_lmsrt_run_unchanged(tmp_path):
     [row] = data["rows"]
     assert row["outcome"] == "ok" and row["lmsrt_active"], row
     assert row["cap_gib"] == 14 and len(row["step_times_s"]) == 3 and row["settled_s"] > 0
+    assert row["cpu_s"] > 0                        # the host's share of the step, beside it
     assert row["moved_gib"] is not None and row["regions_note"]      # from lmsrt's --stats
     stats = json.loads((tmp_path / "runs" / "hf-lmsrt-14.stats.json").read_text())
     assert stats["total"]["steps"] == 3

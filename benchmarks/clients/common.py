@@ -87,21 +87,24 @@ def image_batches(batch: int, size: int, classes: int, steps: int, seed: int):
 
 
 class StepTimer:
-    """Wall time of each optimizer step, the device synchronised at both ends, and its loss.
+    """Wall time of each optimizer step, the device synchronised at both ends, the CPU time of
+    the process's threads in it (a step whose CPU time is near its wall time is limited by the
+    host, not the GPU), and its loss.
 
     ``begin()`` where a step starts; ``end(loss)`` where it ends. A step that ``begin`` did not
     open runs from the previous ``end`` (so a loop may call ``end`` only)."""
 
     def __init__(self) -> None:
         self.times: List[float] = []
+        self.cpu: List[float] = []
         self.losses: List[Optional[float]] = []
-        self._start: Optional[float] = None
+        self._start: Optional[tuple] = None
 
     @staticmethod
-    def _now() -> float:
+    def _now() -> tuple:
         if device().type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return time.perf_counter(), time.process_time()
 
     def begin(self) -> None:
         self._start = self._now()
@@ -109,7 +112,8 @@ class StepTimer:
     def end(self, loss=None) -> None:
         now = self._now()
         if self._start is not None:
-            self.times.append(now - self._start)
+            self.times.append(now[0] - self._start[0])
+            self.cpu.append(now[1] - self._start[1])
         self._start = now
         if loss is not None:
             loss = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
@@ -155,7 +159,8 @@ def finish(args, run: Callable[[StepTimer], object], client: str) -> None:
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     result["versions"] = {name: getattr(sys.modules[name], "__version__", None) for name in
                           LIBRARIES if name in sys.modules}
-    result.update(step_times_s=timer.times, losses=timer.losses, steps_done=timer.steps,
+    result.update(step_times_s=timer.times, step_cpu_s=timer.cpu, losses=timer.losses,
+                  steps_done=timer.steps,
                   peak_bytes=peak, peak_gib=peak / GiB)
     shown = f"{timer.steps} steps"
     if timer.times:

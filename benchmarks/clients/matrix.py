@@ -16,13 +16,15 @@ under 85% of the cap (the row says "=uncapped"; --full runs it), and lmsrt+peer 
 below the peer's uncapped peak and at the lowest cap above it, where lmsrt must cost nothing
 (--full: at every cap). Caps of lightning and timm are fractions of their plain run's peak.
 
-Per row: the outcome, the settled step (median of the last 10), x uncapped (over plain's settled
-step), x peer (over the peer's at the same cap), the first-30 cost (the first 30 steps over 30
-settled ones) and 2-31 (the same from step 2: step 1 starts CUDA's libraries and builds what the
-script builds lazily, with or without lmsrt), the peak (torch.cuda.max_memory_allocated), and from
-lmsrt's --stats the bytes moved, rebuilt and recomputed in the last step. Writes clients.json and
-clients.md to --out, and each run's JSON, stats and log under --out/runs/. A run that fails or times
-out is recorded and the matrix goes on.
+Per row: the outcome, the settled step (median of the last 10) and its CPU time (all the
+process's threads, median of the last 10: near the step's time, the host is the limit), x
+uncapped (over plain's settled step), x peer (over the peer's at the same cap), the first-30 cost
+(the first 30 steps over 30 settled ones) and 2-31 (the same from step 2: step 1 starts CUDA's
+libraries and builds what the script builds lazily, with or without lmsrt), the peak
+(torch.cuda.max_memory_allocated), and from lmsrt's --stats the bytes moved, rebuilt and
+recomputed in the last step. Writes clients.json and clients.md to --out, and each run's JSON,
+stats and log under --out/runs/. A run that fails or times out is recorded and the matrix goes
+on.
 """
 from __future__ import annotations
 
@@ -218,7 +220,8 @@ def execute(args, run: Run) -> dict:
                    device=data["device"], torch=data["torch"], steps=data["steps_done"],
                    lmsrt_active=data["lmsrt_active"], versions=data.get("versions"),
                    peak_gib=data["peak_gib"], step_times_s=times, losses=data["losses"],
-                   settled_s=settled(times), first30=first_cost(times),
+                   settled_s=settled(times), cpu_s=settled(data.get("step_cpu_s") or []),
+                   first30=first_cost(times),
                    after1=first_cost(times, skip=1))
         if row["exit"] not in (0, 3):
             row.update(outcome="crash", message=_last_line(log_path))
@@ -266,7 +269,7 @@ def ratios(rows: List[dict]) -> None:
 
 
 def table(rows: List[dict]) -> str:
-    head = ["client", "cap", "method", "outcome", "settled s", "x uncapped", "x peer",
+    head = ["client", "cap", "method", "outcome", "settled s", "CPU s", "x uncapped", "x peer",
             "first-30", "2-31", "peak GiB", "moved GiB", "rebuilt GiB", "recomp. GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -274,7 +277,8 @@ def table(rows: List[dict]) -> str:
         outcome = r["outcome"] + (f" (step {r['oom_step']})" if r.get("oom_step") else "")
         cells = [r["client"], "-" if r["cap_gib"] is None else f"{r['cap_gib']:g}",
                  r["method"] + (f" {r['reused']}" if r.get("reused") else ""), outcome,
-                 _num(r.get("settled_s") if ok else None, 3), _num(r.get("x_uncapped"), 2, "x"),
+                 _num(r.get("settled_s") if ok else None, 3),
+                 _num(r.get("cpu_s") if ok else None, 3), _num(r.get("x_uncapped"), 2, "x"),
                  _num(r.get("x_peer"), 2, "x"), _num(r.get("first30") if ok else None, 2, "x"),
                  _num(r.get("after1") if ok else None, 2, "x"),
                  _num(r.get("peak_gib"), 2), _num(r.get("moved_gib"), 2),

@@ -1,9 +1,10 @@
 """``lmsrt steps``: a run's steps one by one, from the stats file ``lmsrt run --stats`` wrote.
 
 Where the summary gives the settled step, this shows how the run got there: which steps learnt
-(``reactive``, swapping all they could) and which followed a plan, each step's time, what it
-moved, rebuilt and recomputed and the GPU time those reruns took, how long the GPU waited for
-copies, the allocator's retries, the peak, and what the plan changed after it. With ``--plot
+(``reactive``, swapping all they could) and which followed a plan, each step's time and the
+CPU time of the process's threads in it, what it moved, rebuilt and recomputed and the GPU time
+those reruns took, how long the GPU waited for copies, the allocator's retries, the peak, and
+what the plan changed after it. With ``--plot
 FILE`` the same as a picture (matplotlib, where installed): step times, learning steps marked,
 and the bytes moved.
 
@@ -24,8 +25,8 @@ from ..units import GiB, format_bytes
 
 __all__ = ["command", "format_steps", "learning_cost", "step_rows"]
 
-_COLUMNS = ("step", "mode", "time s", "out", "in", "rebuilt", "recomputed", "rerun ms",
-            "waited ms", "retries", "GPU peak", "after it")
+_COLUMNS = ("step", "mode", "time s", "CPU s", "out", "in", "rebuilt", "recomputed",
+            "rerun ms", "waited ms", "retries", "GPU peak", "after it")
 
 
 def step_rows(stats: Dict[str, object]) -> List[Dict[str, object]]:
@@ -37,7 +38,7 @@ def step_rows(stats: Dict[str, object]) -> List[Dict[str, object]]:
         i = s["step"] - 2
         rows.append(dict(
             step=s["step"], mode=s["mode"],
-            time=times[i] if 0 <= i < len(times) else None,
+            time=times[i] if 0 <= i < len(times) else None, cpu=s.get("cpu_s"),
             out=s["out_bytes"], into=s["in_bytes"], rebuilt=s["recipe_bytes"],
             regions=s["recomputed_regions"], recomputed=s["recomputed_bytes"],
             rerun=s.get("recompute_ms", 0.0) + s.get("rebuild_ms", 0.0),
@@ -60,6 +61,7 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
         said = r["note"] or said
         table.append([
             str(r["step"]), r["mode"], "-" if r["time"] is None else f"{r['time']:.3f}",
+            "-" if r["cpu"] is None else f"{r['cpu']:.3f}",
             format_bytes(r["out"]), format_bytes(r["into"]), format_bytes(r["rebuilt"]),
             f"{r['regions']} ({format_bytes(r['recomputed'])})" if r["regions"] else "0",
             f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"]),
@@ -78,9 +80,10 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
     if regions.get("note"):
         tail.append(f"regions: {regions['note']}")
     tail.append("mode: reactive = a step that learnt (it swaps all it can), plan = one that "
-                "followed the plan; rerun: GPU time of the regions recomputed and the tensors "
-                "rebuilt in backward; waited: GPU time forward and backward stood still for "
-                "copies")
+                "followed the plan; CPU: seconds of the process's threads in the step (near "
+                "its time, the host is the limit); rerun: GPU time of the regions recomputed "
+                "and the tensors rebuilt in backward; waited: GPU time forward and backward "
+                "stood still for copies")
     return "\n".join(lines + [""] + tail)
 
 

@@ -3,6 +3,7 @@ step's figures read at its end."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -18,7 +19,7 @@ class StepState:
 
     __slots__ = ("index", "by_ptr", "base", "keeps_all", "largest", "sigs", "beyond_plan", "over",
                  "rec", "rec_lmsrt", "step_peak", "deferred_kept", "forward_end_use", "bwd_point",
-                 "retries_before", "failures_before")
+                 "retries_before", "failures_before", "cpu_before")
 
     def __init__(self, retries_before: int = 0, failures_before: int = 0):
         self.index = 0                 # storages saved in this forward
@@ -37,6 +38,7 @@ class StepState:
         self.bwd_point = 0             # unpacks so far in this backward (the policy's point j)
         self.retries_before = retries_before      # the allocator's retry count as it began
         self.failures_before = failures_before    # and its count of failed allocations
+        self.cpu_before = time.process_time()     # and the process's CPU seconds
 
 
 class StepBoundaries:
@@ -177,6 +179,7 @@ class StepBoundaries:
 
     def _finish_step(self) -> None:
         s = self.step
+        s.cpu_s = time.process_time() - self.state.cpu_before
         s.gpu_peak_bytes = max(self.device.peak_allocated(), self.state.step_peak)
         self._read_figures(s)
         if self.memo is not None:
@@ -224,6 +227,7 @@ class StepBoundaries:
         if s.step:
             s.mode = self.plan.mode
             s.gpu_peak_bytes = self.device.peak_allocated()
+            s.cpu_s = time.process_time() - self.state.cpu_before      # so far
             self._read_figures(s)
         return s
 

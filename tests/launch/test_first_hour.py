@@ -72,6 +72,7 @@ def test_summary_bytes_use_the_byte_formatter():
                           "alloc_retries", "alloc_failures", "gpu_peak_bytes", "host_lagged",
                           "host_peak_bytes", "host_pinned_bytes"), 0)
     step.update(swapin_wait_ms=0.0, swapout_wait_ms=0.0, host_pin_s=0.0, host_pin_wait_s=0.0,
+                cpu_s=0.0,
                 mode="plan",
                 host_pinned_bytes=64 * MiB, out_bytes=1536)
     stats.update(last_step=step, total=dict(step, steps=3))

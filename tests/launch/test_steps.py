@@ -27,11 +27,13 @@ def test_each_finished_step_is_a_line_with_its_own_figures(stats_file):
     assert [r["time"] for r in rows[1:]] == stats["step_times_s"][:len(rows) - 1]
     assert all(r["out"] == s["out_bytes"] and r["mode"] == s["mode"]
                and r["rerun"] == s["recompute_ms"] + s["rebuild_ms"]
+               and r["cpu"] == s["cpu_s"]
                for r, s in zip(rows, history))
     result = invoke("steps", str(stats_file))
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].split()[:3] == ["step", "mode", "time"]
+    assert lines[0].split()[:5] == ["step", "mode", "time", "s", "CPU"]
+    assert all(s["cpu_s"] > 0 for s in history[1:]), history     # each step ran Python
     body = [ln.split() for ln in lines[1:1 + len(rows)]]
     assert [int(b[0]) for b in body] == [r["step"] for r in rows]
     assert [b[1] for b in body] == [r["mode"] for r in rows]
