@@ -9,7 +9,10 @@ parameter is noted by the engine (``SwapEngine.materialize``), and made at once,
 parameter still holds what forward saw, just before the parameter can change:
 
   Rule 1. Before any torch.optim optimizer steps (its global step pre-hook, while an engine
-    that rebuilds lives): the pending rebuilds that read the parameters it updates.
+    that rebuilds lives): the pending rebuilds that read the parameters it updates. Storages
+    whose graph autograd freed are not pending (the engine reaps them first): where forward
+    and backward run inside the step, as a closure (Lightning, LBFGS), the pre-hook comes
+    before them, and the last step's storages read parameters that step changed.
   Rule 2. Before ``p.data`` of such a parameter is read or set (a property on
     ``torch.nn.Parameter``, from the first noted rebuild until the last engine that noted one
     closes or is collected): ``.data`` writes bump no version counter, so nothing could tell

@@ -168,6 +168,49 @@ def test_an_optimizer_step_before_backward_trains_exactly(kind):
     _check_parameters_changed_before_backward(kind, _optimizer_step, norm=False)
 
 
+def _train_in_closures(kind, lms=None, steps=4):
+    """``steps`` steps whose forward and backward run inside the optimizer's step, as a closure
+    (Lightning's loop, LBFGS): the step's pre-hook comes before forward, and the step before it
+    changed the parameters that the last step's rebuilds read. Each step's parameters."""
+    dev = torch_device(kind)
+    torch.manual_seed(0)
+    # A pre-norm block: its LayerNorm's output (rebuilt, from the norm's parameters) is used in
+    # backward after the last swapped tensor (the norm's own input is the script's, kept).
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 64)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64, device=dev)
+
+    def closure():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16), (lms or contextlib.nullcontext()):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        return loss
+
+    seen = []
+    for _ in range(steps):
+        opt.step(closure)
+        seen.append([p.detach().clone() for p in model.parameters()])
+    return seen
+
+
+def _check_closures(kind):
+    lms = make_lms(kind)
+    for r, g in zip(_train_in_closures(kind), _train_in_closures(kind, lms=lms)):
+        assert_same((torch.zeros(()), r), (torch.zeros(()), g))
+    steps = lms.stats()["history"]
+    # The LayerNorm's output and the weights' casts, which read parameters, were rebuilt in
+    # each backward, and only there: nothing of a finished step was made again at the next
+    # step's pre-hook (it raised, its parameters changed since; elsewhere it was work thrown away).
+    assert all(s["rebuilt_tensors"] == s["recipe_tensors"] > 0 for s in steps[1:]), steps
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_forward_and_backward_inside_the_optimizers_step_train_exactly(kind):
+    _check_closures(kind)
+
+
 def _check_activation_changed_through_data(kind):
     dev = torch_device(kind)
     torch.manual_seed(0)
