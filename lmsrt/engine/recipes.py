@@ -175,16 +175,18 @@ class RecipeOffload:
         """Rebuild now the storages, not yet made, whose recipes read the parameters whose ids
         are in ``parameters``: they are about to change (params.py, NOTE [ Parameters a rebuild
         reads ]). The rebuilt bytes wait for backward as a restored copy does."""
+        if self._dead:
+            # Storages whose graphs autograd freed since the last unpack (a backward just
+            # finished) are dead, not pending: made again, their bytes would be thrown away, and
+            # where the step's forward and backward ran inside the optimizer's step (a closure:
+            # Lightning, LBFGS), their parameters changed in the step before. Reaped, what they
+            # hold (restored copies) is given back before the optimizer allocates.
+            with self._lock:
+                self._reap()
         pending = self._param_rebuilds
         if not pending or not any(key in pending for key in parameters):
             return
         with self._lock:
-            # Storages whose graphs autograd freed since the last unpack (a backward just
-            # finished) are dead, not pending: made again, their bytes would be thrown away, and
-            # where the step's forward and backward ran inside the optimizer's step (a closure:
-            # Lightning, LBFGS), their parameters changed in the step before.
-            if self._dead:
-                self._reap()
             for key in [key for key in parameters if key in pending]:
                 for s in pending.pop(key):
                     if (not s.dead and s.gpu is None and s.host is None and s.recipe is not None
