@@ -23,7 +23,7 @@ CLIENTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "clien
 # Each client, the libraries it needs, and its tiny flags.
 NEEDS = {"hf_trainer": ("transformers", "accelerate"), "gpt2_script": (),
          "tv_reference": ("torchvision",), "lightning_trainer": ("lightning",),
-         "timm_train": ("timm",)}
+         "timm_train": ("timm",), "llama_offload": ("transformers",)}
 TINY = ["--tiny", "--steps", "3"]
 
 
@@ -94,7 +94,9 @@ CASES = [pytest.param("hf_trainer", [], id="hf"),
          pytest.param("lightning_trainer", ["--precision", "bf16-mixed"], id="lightning"),
          pytest.param("lightning_trainer", ["--checkpoint"], id="lightning-peer"),
          pytest.param("timm_train", [], id="timm"),
-         pytest.param("timm_train", ["--checkpoint"], id="timm-peer")]
+         pytest.param("timm_train", ["--checkpoint"], id="timm-peer"),
+         pytest.param("llama_offload", [], id="llama"),
+         pytest.param("llama_offload", ["--fsdp2-offload"], id="llama-peer")]
 
 
 @pytest.mark.parametrize("name, extra", CASES)
