@@ -4,9 +4,8 @@ Where the summary gives the settled step, this shows how the run got there: whic
 (``reactive``, swapping all they could) and which followed a plan, each step's time and the
 CPU time of the process's threads in it, what it moved, rebuilt and recomputed and the GPU time
 those reruns took, how long the GPU waited for copies, the allocator's retries, the peak, and
-what the plan changed after it. With ``--plot
-FILE`` the same as a picture (matplotlib, where installed): step times, learning steps marked,
-and the bytes moved.
+what the plan changed after it. With ``--plot FILE`` the same as a picture (matplotlib, where
+installed): step times, learning steps marked, and the bytes moved.
 
 Example::
 
