@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 __all__ = ["GiB", "OOM_EXIT", "StepTimer", "add_flags", "cap_gpu", "device", "finish",
-           "image_batches", "is_oom", "maybe", "seed_all"]
+           "image_batches", "is_oom", "llama", "maybe", "seed_all"]
 
 GiB = 2**30
 OOM_EXIT = 3
@@ -61,6 +61,21 @@ def cap_gpu(limit_gib: Optional[float]) -> None:
         return
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib * GiB / total))
+
+
+def llama(args, hidden: int, layers: int, heads: int, mlp: int):
+    """transformers' LlamaForCausalLM from a config of these sizes (vocab 32000), or with
+    ``args.tiny`` a tiny one for the CPU tests; ``args.seq`` positions, seeded with
+    ``args.seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    vocab = 32000
+    if args.tiny:
+        hidden, layers, heads, mlp, vocab = 64, 2, 4, 128, 128
+    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, intermediate_size=mlp, vocab_size=vocab,
+                         max_position_embeddings=args.seq)
+    seed_all(args.seed)
+    return LlamaForCausalLM(config)
 
 
 def seed_all(seed: int) -> None:

@@ -14,7 +14,7 @@ import argparse
 import tempfile
 
 import torch
-from common import add_flags, cap_gpu, device, finish, maybe, seed_all
+from common import add_flags, cap_gpu, device, finish, llama, maybe
 from torch.utils.data import Dataset
 
 
@@ -34,20 +34,6 @@ class RandomTokens(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def build_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    if args.tiny:
-        config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=4, intermediate_size=128, vocab_size=128,
-                             max_position_embeddings=args.seq)
-    else:
-        config = LlamaConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                             num_key_value_heads=16, intermediate_size=2816, vocab_size=32000,
-                             max_position_embeddings=args.seq)
-    seed_all(args.seed)
-    return LlamaForCausalLM(config)
-
-
 def build(args, timer=None):
     """The Trainer, ready to ``train()``; ``timer`` (common.StepTimer) times its steps."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -64,7 +50,7 @@ def build(args, timer=None):
             if logs and "loss" in logs and timer.losses:
                 timer.losses[-1] = float(logs["loss"])
 
-    model = build_model(args)
+    model = llama(args, hidden=1024, layers=24, heads=16, mlp=2816)
     on_gpu = device().type == "cuda"
     # transformers 5.2x calls it activation_checkpointing; gradient_checkpointing before.
     saver = ("activation_checkpointing" if "activation_checkpointing"

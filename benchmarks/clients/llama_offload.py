@@ -20,21 +20,7 @@ import argparse
 import os
 
 import torch
-from common import add_flags, cap_gpu, device, finish, maybe, seed_all
-
-
-def build_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    if args.tiny:
-        config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=2, intermediate_size=64, vocab_size=64,
-                             max_position_embeddings=args.seq)
-    else:
-        config = LlamaConfig(hidden_size=2048, num_hidden_layers=26, num_attention_heads=16,
-                             num_key_value_heads=16, intermediate_size=5632, vocab_size=32000,
-                             max_position_embeddings=args.seq)
-    seed_all(args.seed)
-    return LlamaForCausalLM(config)
+from common import add_flags, cap_gpu, device, finish, llama, maybe
 
 
 def _one_process_group(dev: torch.device) -> None:
@@ -65,7 +51,7 @@ def train(args, lms=None, timer=None):
     """Train ``args.steps`` steps (under ``lms``, an ``lmsrt.LMS``, if given); the model."""
     dev = device()
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = build_model(args)
+    model = llama(args, hidden=2048, layers=26, heads=16, mlp=5632)
     if args.fsdp2_offload:
         _one_process_group(dev)
         model = shard_offloaded(model, dev)
