@@ -780,6 +780,46 @@ def test_torch_compile_is_detected_and_stays_exact(kind, backend):
     _check_compile(kind, backend)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from dynamo
+def test_an_lms_collected_while_torch_compiles_leaves_its_guards_whole(monkeypatch):
+    """An LMS dropped in a reference cycle goes when the collector next runs, which may be in the
+    middle of a compilation, between dynamo's tracing the global module hooks and its guarding
+    their keys: removing its hooks there broke the compilation (KeyError from a guard). Here it
+    is let go and collected exactly there."""
+    import gc
+
+    import torch._dynamo
+    import torch._dynamo.convert_frame as convert_frame
+
+    hooks = nn.modules.module._global_forward_hooks
+    before = set(hooks)
+    held = [make_lms("sim")]
+    added = set(hooks) - before
+    assert added                        # its region hooks
+    manager = convert_frame.CheckFunctionManager
+
+    class CollectFirst(manager):        # guards are built after the trace
+        def __init__(self, *args, **kwargs):
+            held.clear()
+            gc.collect()
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(convert_frame, "CheckFunctionManager", CollectFirst)
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        block = nn.Linear(4, 4)
+        run = torch.compile(lambda x: block(x).relu(), backend="eager")
+        x = torch.randn(2, 4)
+        assert torch.equal(run(x), block(x).relu())
+        assert not held and added <= set(hooks)      # collected; its hooks inert, in place
+        make_lms("sim").close()         # code the user called: they go now
+        assert not added & set(hooks)
+        assert torch.equal(run(x), block(x).relu())  # compiled again, over the hooks left
+    finally:
+        torch._dynamo.reset()
+
+
 # -- bad input at the API ----------------------------------------------------------------------
 
 BAD_ARGUMENTS = [

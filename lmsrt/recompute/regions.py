@@ -151,6 +151,7 @@ class Regions:
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._kept_calls = 0            # this step's region calls that kept their tensors
         self._span: list = []           # forward's first region start and last region end
+        _flush_dead()                   # hooks of Regions collected before this one
         me = weakref.ref(self)
         handles = []
 
@@ -171,7 +172,9 @@ class Regions:
         self.finder.kwargs_of = handles[0].id
         handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
                                                                        always_call=True))
-        self._finalizer = weakref.finalize(self, _remove, handles)
+        # Collected, it only marks them: torch.compile builds guards over the global hook dicts,
+        # and a collection inside a compilation that removed one would break it (_flush_dead).
+        self._finalizer = weakref.finalize(self, _dead_hooks.extend, handles)
         # Held weakly by the engine, as by the hooks: a dropped LMS is freed at once, no cycle.
         listener = weakref.WeakMethod(self._begin_step)
         engine.step_listeners.append(lambda step: (listener() or _ignore)(step))
@@ -179,6 +182,7 @@ class Regions:
     def close(self) -> None:
         """Remove the global module hooks."""
         self._finalizer()
+        _flush_dead()
 
     # -- structure (Rule 1) --------------------------------------------------------------------
 
@@ -535,6 +539,13 @@ def _ignore(step: int) -> None:
     pass
 
 
-def _remove(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
+# Hooks of collected Regions, inert (their weak reference is dead) and not yet removed: removed
+# only from code the user called (a Regions made or closed), never from the collector, which
+# may run in the middle of a torch.compile between its reading the global hook dicts and its
+# guarding their keys.
+_dead_hooks: list = []
+
+
+def _flush_dead() -> None:
+    while _dead_hooks and not torch.compiler.is_compiling():
+        _dead_hooks.pop().remove()
