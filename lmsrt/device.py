@@ -74,6 +74,7 @@ class Device(Protocol):
     def empty(self, nbytes: int) -> torch.Tensor: ...
     def pinned(self, nbytes: int) -> torch.Tensor: ...
     def note_saved(self, storage: Any) -> None: ...
+    def free_after(self, t: torch.Tensor, stream: Any) -> None: ...
     def synchronize(self) -> None: ...
 
 
@@ -303,6 +304,13 @@ class CudaDevice:
     def note_saved(self, storage) -> None:
         """Only the simulated device needs to be told about saved storages."""
 
+    @staticmethod
+    def free_after(t: torch.Tensor, stream) -> None:
+        """``t`` may be let go now: its block goes back to the allocator only once the work
+        queued on ``stream`` so far has run (a copy out of it; torch's own rule for a tensor
+        used on another stream)."""
+        t.record_stream(stream)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
@@ -490,6 +498,10 @@ class SimulatedDevice:
             self._by_ref[id(ref)] = key
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
+
+    @staticmethod
+    def free_after(t: torch.Tensor, stream) -> None:
+        """Nothing to do: a simulated copy has run by the time it returns."""
 
     def _forget(self) -> None:
         with self._lock:

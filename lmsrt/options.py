@@ -78,6 +78,17 @@ def _check_switch(name: str) -> Callable[[object], bool]:
     return switch
 
 
+def _check_word(name: str, words: Tuple[str, ...]) -> Callable[[object], str]:
+    """The check of a setting ``name`` that is one of ``words``."""
+    def word(value: object) -> str:
+        if isinstance(value, str) and value.strip().lower() in words:
+            return value.strip().lower()
+        raise (ValueError if isinstance(value, str) else TypeError)(
+            f"{name} must be one of {', '.join(words)}, got {type(value).__name__} "
+            f"{_shown(value)}; give e.g. {name}={words[0]!r}")
+    return word
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One setting. A number unless ``check`` replaces the number check (``device``): a byte
@@ -148,6 +159,18 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            help="Rebuild cheap saved tensors (GELU, LayerNorm, casts) and recompute repeated "
                 "blocks instead of moving them.",
            give="on or off", check=_check_switch("recompute")),
+    Option("optimizer_state", AUTO, Literal["auto", "host", "gpu"], "LMSRT_OPTIMIZER_STATE",
+           "--optimizer-state",
+           doc="where torch.optim optimizers keep their state (AdamW's moments, SGD's momentum) "
+               "between optimizer steps. ``\"auto\"`` (the default): on the GPU, unless the "
+               "step that created it would not fit with it beside its peak; then in pinned host "
+               "memory, brought back for each optimizer step. ``\"host\"``: always there; "
+               "``\"gpu\"``: never (lmsrt/movers/optimizer.py).",
+           what="auto, host or gpu", example="host", metavar="auto|host|gpu",
+           help="Keep optimizer state in host memory between optimizer steps: auto (where it "
+                "would not fit), host (always) or gpu (never).",
+           give="auto, host or gpu", words=(AUTO, "host", "gpu"),
+           check=_check_word("optimizer_state", (AUTO, "host", "gpu"))),
     Option("pin_ahead", True, bool, "LMSRT_PIN_AHEAD", "--pin-ahead",
            doc="as the LMS is created, start pinning (in the background) the host memory that "
                "the last run of the same command, GPU, cap and settings used, remembered under "

@@ -61,6 +61,10 @@ class StepStats:
     cpu_s: float = _summed(0.0)           # CPU seconds of the process's threads from this step's
                                           # start to the next's (near its wall time: the host is
                                           # the limit, not the GPU)
+    optimizer_in_bytes: int = _summed(0)  # optimizer state brought back for optimizer steps
+    optimizer_out_bytes: int = _summed(0)  # and written back to host memory after them
+    optimizer_host_bytes: int = 0         # optimizer state in host memory at the end of the step
+                                          # (movers/optimizer.py)
     gpu_peak_bytes: int = 0               # peak allocated GPU memory of the step
     forward_end_bytes: int = 0            # GPU use when forward ended, net of copies still in
                                           # flight
@@ -138,5 +142,6 @@ class RunStats:
         total["gpu_peak_bytes"] = max([self.gpu_peak_bytes] + [s.gpu_peak_bytes for s in live])
         total["host_peak_bytes"] = max([self.host_peak_bytes] + [s.host_peak_bytes for s in live])
         total["host_pinned_bytes"] = current.host_pinned_bytes
+        total["optimizer_host_bytes"] = current.optimizer_host_bytes
         total["host_pins_in_flight"] = current.host_pins_in_flight
         return total

@@ -48,6 +48,9 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
     ("regions recomputed", "recomputed_regions", "n"),
     ("  freed in forward", "recomputed_bytes", "B"),
     ("  recompute GPU (ms)", "recompute_ms", "ms"),
+    ("optimizer state on host", "optimizer_host_bytes", "B"),
+    ("  brought in", "optimizer_in_bytes", "B"),
+    ("  written back", "optimizer_out_bytes", "B"),
     ("kept on GPU", "kept_bytes", "B"),
     ("  held by the script", "live_bytes", "B"),
     ("too small or params", "skipped_tensors", "n"),
@@ -68,6 +71,7 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
 _REBUILD = {"rebuilt, not moved", "  rebuilt in backward", "  rebuild GPU (ms)",
             "  checked bit for bit"}
 _REGIONS = {"regions recomputed", "  freed in forward", "  recompute GPU (ms)"}
+_OPTIMIZER = {"optimizer state on host", "  brought in", "  written back"}   # once it moved
 # Every label of the table, and of the lines above it: each is explained in docs/run.md.
 LABELS = ("settings", "swap above", "auto", "regions", "not rebuilt",
           *(label.strip() for label, _, _ in _ROWS))
@@ -157,7 +161,8 @@ def _table(stats: Dict[str, object], recomputed: bool) -> List[str]:
     rebuilding = stats["config"].get("recompute")
     lines = [f"{'':22}{'last step':>14}{'total':>14}"]
     for label, field, unit in _ROWS:
-        if (label in _REBUILD and not rebuilding) or (label in _REGIONS and not recomputed):
+        if ((label in _REBUILD and not rebuilding) or (label in _REGIONS and not recomputed)
+                or (label in _OPTIMIZER and not t["optimizer_out_bytes"])):
             continue
         if field == "steps":
             a, b = None, t["steps"]

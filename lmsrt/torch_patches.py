@@ -2,7 +2,7 @@
 
 NOTE [ What lmsrt changes in torch ]
 lmsrt changes these things of torch's, and nothing else. 1-6 are made once per process and stay,
-each for the reason given; 7 and 8 are counted (``CountedPatch``): made when the first LMS that
+each for the reason given; 7 to 9 are counted (``CountedPatch``): made when the first LMS that
 needs them does, undone when the last of them closes or is collected.
 
   1. ``torch.autograd.graph.disable_saved_tensors_hooks`` is wrapped when lmsrt is imported
@@ -39,6 +39,10 @@ needs them does, undone when the last of them closes or is collected.
      last engine that needed it, and ``Parameter.data`` is torch's own descriptor again.
   8. A global optimizer step pre-hook (``optimizer_step_patch``) while an engine that rebuilds
      lives (params.py, Rule 1). Counted, as 7.
+  9. A global optimizer step pre-hook and post-hook while an engine moves optimizer state
+     (movers/optimizer.py, NOTE [ Optimizer state on the host ]). Counted, as 7. The state dict
+     of an optimizer whose state it moves is replaced by one whose reads go through the mover:
+     a change to the user's object, not to torch, undone when the LMS closes.
 
 Held only while in use, and not counted here: the saved-tensor hooks lmsrt pushes (per ``with
 lms:``), the global module forward hooks of region recompute (per LMS, recompute/regions.py)
@@ -236,7 +240,7 @@ def step_aside_in_capture() -> None:
 
 class CountedPatch:
     """A change to torch made while at least one user needs it (NOTE [ What lmsrt changes in
-    torch ], 7 and 8). ``install()`` makes the change and returns what undoes it; it runs when
+    torch ], 7 to 9). ``install()`` makes the change and returns what undoes it; it runs when
     the first user is added, and the undo when the last is removed or collected.
 
     Example::
@@ -313,11 +317,25 @@ def parameter_data_patch(before_change: Callable[[torch.Tensor], None]) -> Count
     return CountedPatch("torch.nn.Parameter.data", install)
 
 
-def optimizer_step_patch(hook: Callable) -> CountedPatch:
-    """``hook`` as a global torch.optim step pre-hook (8 above)."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    return CountedPatch("torch.optim step pre-hook",
-                        lambda: register_optimizer_step_pre_hook(hook).remove)
+def optimizer_step_patch(pre: Callable, post: Optional[Callable] = None) -> CountedPatch:
+    """``pre`` as a global torch.optim step pre-hook, and ``post`` (if given) as a post-hook (8
+    and 9 above)."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def install() -> Callable[[], None]:
+        handles = [register_optimizer_step_pre_hook(pre)]
+        if post is not None:
+            handles.append(register_optimizer_step_post_hook(post))
+
+        def undo() -> None:
+            for handle in handles:
+                handle.remove()
+        return undo
+
+    return CountedPatch("torch.optim step hooks", install)
 
 
 # At import, before torch.compile is used: dynamo recognises the context manager by identity,

@@ -20,7 +20,7 @@ from lmsrt.profiler import render
 
 # A value other than the default for each setting, as Python takes it.
 OTHER = {"lms": 64.0, "lms_frac": 0.5, "prefetch_mb": 16.0, "host_budget_gb": 2.0,
-         "recompute": True, "pin_ahead": False, "device": "sim"}
+         "recompute": True, "optimizer_state": "host", "pin_ahead": False, "device": "sim"}
 
 
 def test_every_setting_has_another_value_in_this_test():

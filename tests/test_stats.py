@@ -8,7 +8,7 @@ from lmsrt.stats import SUMMED, RunStats, StepStats
 # highest peak instead), figures read at its end, and what the policy said.
 NOT_SUMMED = {"step", "mode", "plan_target_bytes", "gpu_peak_bytes", "forward_end_bytes",
               "host_pinned_bytes", "host_peak_bytes", "host_pins_in_flight", "bound_bytes",
-              "headroom_bytes", "predicted_peak_bytes", "policy_note"}
+              "headroom_bytes", "predicted_peak_bytes", "policy_note", "optimizer_host_bytes"}
 
 
 def test_every_field_is_marked_summed_or_named_here():

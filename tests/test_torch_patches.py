@@ -30,8 +30,10 @@ def _data_patched() -> bool:
 
 
 def _lmsrt_step_hooks() -> list:
+    """The step pre-hooks of rebuilds (params.py); the optimizer mover's have their own test
+    (test_optimizer_state.py)."""
     return [h for h in _global_optimizer_pre_hooks.values()
-            if getattr(h, "__module__", "").startswith("lmsrt")]
+            if getattr(h, "__module__", "") == "lmsrt.params"]
 
 
 def _train(kind, lms=None, steps=3):

@@ -10,7 +10,7 @@ import click
 
 from ..options import OPTIONS, Option, check, setting_range
 
-__all__ = ["Number", "Choice", "Switch", "setting_options", "settings_given"]
+__all__ = ["Number", "Choice", "Checked", "setting_options", "settings_given"]
 
 
 class Number(click.ParamType):
@@ -73,10 +73,11 @@ class Choice(click.ParamType):
         return value
 
 
-class Switch(click.ParamType):
-    """An on/off setting's value: on, off (or true/false, 1/0, yes/no)."""
+class Checked(click.ParamType):
+    """The value of a setting with a check of its own: on or off (or true/false, 1/0, yes/no),
+    or one of its words."""
 
-    name = "switch"
+    name = "text"
 
     def __init__(self, option: Option):
         self.option = option
@@ -85,7 +86,7 @@ class Switch(click.ParamType):
         try:
             return check(self.option.name, value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is not on or off; give e.g. {self.option.flag} "
+            self.fail(f"{value!r} is not {self.option.what}; give e.g. {self.option.flag} "
                       f"{self.option.example}", param, ctx)
 
 
@@ -93,7 +94,7 @@ def setting_options(f: Callable) -> Callable:
     """Decorate a click command with one option per LMS setting that has a flag, each passed to
     it as the setting's name (None when not given)."""
     for option in reversed([o for o in OPTIONS.values() if o.flag]):
-        kind = Switch(option) if option.type is bool else Number.setting(option)
+        kind = Checked(option) if option.check is not None else Number.setting(option)
         f = click.option(option.flag, option.name, type=kind,
                          metavar=option.metavar, default=None,
                          help=f"{option.help} [{option.env}]")(f)

@@ -127,6 +127,7 @@ class StepBoundaries:
                     self.plan.planned and self.plan.target == 0 and not self._swapped_last)
                 self.rebuilds.follow_noting()
             self.host.new_step()
+            self.optimizer_mover.new_step()
 
     def _begin_plan(self, first: int) -> None:
         """The step's first saved storage: GPU use now is the base its policy plans from. (Not
@@ -232,8 +233,9 @@ class StepBoundaries:
         return s
 
     def _read_figures(self, s: StepStats) -> None:
-        """Into ``s``: the host pool's figures, and the copy waits whose times are in."""
-        for name, value in self.host.figures().items():
+        """Into ``s``: the host pool's and the optimizer mover's figures, and the copy waits
+        whose times are in."""
+        for name, value in (self.host.figures() | self.optimizer_mover.figures()).items():
             setattr(s, name, value)
         pending = []
         for wait in self._timed_waits:

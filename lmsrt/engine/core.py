@@ -13,6 +13,7 @@ from ..cache import PinMemo
 from ..config import LMSConfig
 from ..diagnostics import Diagnostics
 from ..host import HostPool
+from ..movers import OptimizerMover
 from ..plan import OffloadPlan
 from ..policy import make_policy
 from ..recompute.rebuilds import Rebuilds
@@ -36,6 +37,11 @@ __all__ = ["SwapEngine"]
 
 def _no_entry(t: torch.Tensor) -> None:
     return None
+
+
+def _step_peak(engine) -> int:
+    """The peak of ``engine``'s step so far (0 once it is gone)."""
+    return 0 if engine is None else max(engine.device.peak_allocated(), engine.state.step_peak)
 
 
 class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOut,
@@ -88,6 +94,12 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         if self.rebuilds is not None:
             params.watch(self)
         self._lock = threading.RLock()
+        # NOTE [ Optimizer state on the host ]: asked through weak references, as above.
+        me = weakref.ref(self)
+        self.optimizer_mover = OptimizerMover(
+            device, self._copies, self.host, self._lock, min_bytes=self.min_bytes,
+            mode=config.optimizer_state, step_peak=lambda: _step_peak(me()),
+            fits=self.policy.step_fits)
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
         self._deferred: collections.deque = collections.deque()   # waiting for a pin to copy out

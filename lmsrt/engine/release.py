@@ -83,6 +83,7 @@ class Release:
                 return
             self.closed = True
             try:
+                self.optimizer_mover.close()        # its state back where the optimizer runs
                 self.device.synchronize()                   # Rule 8
             finally:
                 self._reap()

@@ -52,6 +52,7 @@ class Policy(Protocol):
     def may_defer(self, use: int) -> bool: ...
     def may_keep_deferred(self, use: int) -> bool: ...
     def check_fits(self, use: int) -> bool: ...
+    def step_fits(self, peak: int) -> bool: ...
 
     # -- what to fetch next, and how far ahead ------------------------------------------------
     def fetch_to(self, plan: OffloadPlan, j: int) -> int: ...
@@ -106,3 +107,9 @@ class LimitShares:
         """Whether a recipe's check in forward fits: ``use`` (allocated plus what the rebuild
         and its comparison need) within 1/16 of the limit (engine/recipes.py)."""
         return use <= self.limit - (self.limit >> 4)
+
+    def step_fits(self, peak: int) -> bool:
+        """Whether a step peaking at ``peak`` fits: within 1/16 of the limit (the allocator's
+        room beside what is allocated; movers/optimizer.py asks it of a step with its optimizer
+        state added)."""
+        return peak <= self.limit - (self.limit >> 4)

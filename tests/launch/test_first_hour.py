@@ -70,7 +70,8 @@ def test_summary_bytes_use_the_byte_formatter():
                           "prefetch_hits", "prefetch_misses", "prefetch_dropped", "kept_bytes",
                           "live_bytes", "skipped_tensors", "swapout_waits", "host_refused",
                           "alloc_retries", "alloc_failures", "gpu_peak_bytes", "host_lagged",
-                          "host_peak_bytes", "host_pinned_bytes"), 0)
+                          "host_peak_bytes", "host_pinned_bytes", "optimizer_host_bytes",
+                          "optimizer_in_bytes", "optimizer_out_bytes"), 0)
     step.update(swapin_wait_ms=0.0, swapout_wait_ms=0.0, host_pin_s=0.0, host_pin_wait_s=0.0,
                 cpu_s=0.0,
                 mode="plan",

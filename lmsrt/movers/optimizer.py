@@ -1,0 +1,339 @@
+"""Optimizer state in pinned host memory between optimizer steps.
+
+NOTE [ Optimizer state on the host ]
+AdamW's two moments take twice the parameters' bytes and sit on the GPU through every forward
+and backward, where nothing reads them. The mover keeps them in the engine's pinned pool between
+optimizer steps and brings them back for the step:
+
+  Rule 1 (when). ``optimizer_state="host"``: from the end of each optimizer's first step.
+    ``"auto"`` (the default): from the end of the step that created an optimizer's state, if
+    that step's peak before the optimizer ran, plus the state it created, does not fit under the
+    limit (``policy.state_fits``): the next forward would hold the state on top of what just
+    fitted, and a learning step's peak is the least the engine can hold. Once moved, an
+    optimizer's state stays on the host for the run. ``"gpu"``: never.
+  Rule 2 (what). Each tensor of the state on this device, of ``lms`` KiB or more, that is its
+    storage's whole (``exp_avg``, ``momentum_buffer``; not Adam's ``step`` scalar). Its bytes
+    have a slot of the pool for the run; the state dict then holds a CPU tensor over that slot.
+  Rule 3 (in). Inside a step (between torch.optim's global step pre- and post-hooks) the first
+    read of ``optimizer.state`` brings all of it back: where forward and backward run inside the
+    step (a closure), after them. The copies in wait for the last write-back (one D2H stream, so
+    its last event covers every earlier copy), and the compute stream waits for them.
+  Rule 4 (out). At the step's post-hook each state tensor on the GPU is copied out once the
+    step's kernels are queued (NOTE [ Stream lifetimes ], Rule 1) and let go: its block is not
+    reused before the copy has run (``Device.free_after``, Rule 2). The dict then holds the host
+    tensors.
+  Rule 5 (read between steps). Outside a step, reading the state (``state[p]``, ``get``,
+    ``items()``, ``values()``; ``state_dict()`` reads items) first waits for write-backs in
+    flight and gives the host tensors: the exact bytes, on the CPU. A dict put in place by
+    ``load_state_dict`` is moved out again at the end of the next step.
+  Rule 6 (close). Closing the LMS brings the state back to the GPU, where the optimizer expects
+    it; if it does not fit there, it stays on the CPU, said once.
+
+Exact: the optimizer's arithmetic is the same, on the same bytes.
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from .. import torch_patches
+from ..options import spelled
+from ..say import say_once
+from ..units import format_bytes
+
+__all__ = ["OptimizerMover", "MODES"]
+
+MODES = ("auto", "host", "gpu")
+
+_movers: List["weakref.ref"] = []      # open movers of live engines, oldest first
+
+
+class _Place:
+    """Where one state tensor's bytes live on the host (Rule 2), and how to view them."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "host")
+
+    def __init__(self, slot, t: torch.Tensor):
+        self.slot, self.dtype, self.size, self.stride = slot, t.dtype, t.size(), t.stride()
+        self.host = slot.tensor.view(t.dtype).as_strided(t.size(), t.stride())
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return (t.dtype, t.size(), t.stride()) == (self.dtype, self.size, self.stride)
+
+
+class _Tracked:
+    """One optimizer as the mover sees it."""
+
+    __slots__ = ("places", "moved", "fetched", "in_step", "created", "peak_before",
+                 "__weakref__")
+
+    def __init__(self):
+        self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
+        self.moved = False          # its state lives on the host between steps (Rule 1)
+        self.fetched = False        # brought back in this step (Rule 3)
+        self.in_step = False        # between its step's pre- and post-hook
+        self.created = False        # this step found no state of it on the device
+        self.peak_before = 0        # the engine's step peak when its step began
+
+
+class _HostState(collections.defaultdict):
+    """``optimizer.state`` while its tensors may live on the host: reads go through the mover
+    (Rules 3, 5)."""
+
+    def __init__(self, mover: "OptimizerMover", optimizer, state: dict):
+        super().__init__(dict, state)
+        self._mover = weakref.ref(mover)
+        self._optimizer = weakref.ref(optimizer)
+
+    def _touch(self) -> None:
+        mover, optimizer = self._mover(), self._optimizer()
+        if mover is not None and optimizer is not None:
+            mover.reading(optimizer)
+
+    def __getitem__(self, key):
+        self._touch()
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._touch()
+        return super().get(key, default)
+
+    def items(self):
+        self._touch()
+        return super().items()
+
+    def values(self):
+        self._touch()
+        return super().values()
+
+    def __reduce__(self):           # copied or pickled: a plain defaultdict of what it holds
+        return collections.defaultdict, (dict,), None, None, iter(dict.items(self))
+
+
+class OptimizerMover:
+    """Moves the state of torch.optim optimizers to pinned host memory between their steps, and
+    back for each step (NOTE [ Optimizer state on the host ]). One per engine, which reads
+    ``figures()`` into each step's stats and calls ``new_step()`` and ``close()``.
+
+    Example::
+
+        mover = OptimizerMover(device, copies, host, threading.RLock(), min_bytes=1 << 20,
+                               mode="host", step_peak=lambda: 0, fits=lambda peak: True)
+        optimizer.step()        # from the end of this step its state lives on the host
+    """
+
+    def __init__(self, device, copies, host, lock, *, min_bytes: int, mode: str,
+                 step_peak: Callable[[], int], fits: Callable[[int], bool]):
+        if mode not in MODES:
+            raise ValueError(f"optimizer_state must be one of {', '.join(MODES)}, got {mode!r}")
+        self.device, self.copies, self.host, self.lock = device, copies, host, lock
+        self.min_bytes, self.mode = min_bytes, mode
+        self.step_peak, self.fits = step_peak, fits
+        self._tracked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._written = None          # the last write-back's event (Rules 3, 5)
+        self._said: set = set()
+        self.in_bytes = self.out_bytes = 0       # this step's
+        self.closed = False
+        # Every mover is in the list, so that the newest LMS decides ("gpu" included); the
+        # hooks are made for the ones that move.
+        _movers.append(weakref.ref(self))
+        if mode != "gpu":
+            _hooks.add_user(self)
+
+    # -- the step's hooks ----------------------------------------------------------------------
+
+    def before_step(self, optimizer) -> None:
+        if self.mode == "gpu":
+            return
+        tracked = self._tracked.get(optimizer)
+        if tracked is None:
+            tracked = self._tracked[optimizer] = _Tracked()
+        tracked.in_step, tracked.fetched = True, False
+        if not tracked.moved:
+            tracked.created = next(self._on_device(optimizer, tracked), None) is None
+            tracked.peak_before = self.step_peak()
+
+    def after_step(self, optimizer) -> None:
+        tracked = self._tracked.get(optimizer)
+        if tracked is None or not tracked.in_step:
+            return                  # its pre-hook ran before this mover was made
+        tracked.in_step = False
+        if not tracked.moved and not self._should_move(optimizer, tracked):
+            return
+        tracked.moved = True
+        with self.lock:
+            self._write_back(optimizer, tracked)
+
+    def _should_move(self, optimizer, tracked: _Tracked) -> bool:
+        """Rule 1."""
+        if self.mode == "host":
+            return True
+        if not tracked.created:
+            return False
+        created = sum(t.untyped_storage().nbytes()
+                      for _, _, _, t in self._on_device(optimizer, tracked))
+        if not created or self.fits(tracked.peak_before + created):
+            return False
+        say_once("optimizer-state",
+                 f"lmsrt: {type(optimizer).__name__}'s state ({format_bytes(created)}) would not "
+                 f"fit beside this step's peak of {format_bytes(tracked.peak_before)} under the "
+                 "limit: it lives in pinned host memory between optimizer steps from now on and "
+                 f"comes back for each step (said once; {spelled('optimizer_state', 'gpu')} "
+                 "keeps it there).",
+                 given=self._said)
+        return True
+
+    # -- reads (Rules 3, 5) --------------------------------------------------------------------
+
+    def reading(self, optimizer) -> None:
+        tracked = self._tracked.get(optimizer)
+        if tracked is None or not tracked.moved or tracked.fetched or self.closed:
+            return
+        if tracked.in_step:
+            with self.lock:
+                self._fetch(optimizer, tracked)
+        elif self._written is not None:             # Rule 5: its host bytes may be in flight
+            self._written.synchronize()
+            self._written = None
+
+    def _fetch(self, optimizer, tracked: _Tracked) -> None:
+        """Rule 3: every host tensor of ``optimizer``'s state back on the device."""
+        tracked.fetched = True
+        compute = self.device.current_stream()
+        if self._written is not None:
+            self._written.wait(self.copies.h2d)
+        done = None
+        for _, p_state, key, place in self._on_host(optimizer, tracked):
+            block = self.device.empty(place.slot.nbytes)
+            done = self.copies.copy_in(block, place.slot, compute)
+            p_state[key] = block.view(place.dtype).as_strided(place.size, place.stride)
+            self.in_bytes += place.slot.nbytes
+        if done is not None:
+            done.wait(compute)                      # one H2D stream: its last event covers all
+
+    def _write_back(self, optimizer, tracked: _Tracked) -> None:
+        """Rule 4: every movable state tensor on the device out to its host place."""
+        if not isinstance(optimizer.state, _HostState) or optimizer.state._mover() is not self:
+            optimizer.state = _HostState(self, optimizer, optimizer.state)   # (a new dict)
+        compute = self.device.current_stream()
+        seen = set()
+        for p, p_state, key, t in list(self._on_device(optimizer, tracked)):
+            where = (id(p), key)
+            seen.add(where)
+            nbytes = t.untyped_storage().nbytes()
+            place = tracked.places.get(where)
+            if place is None or not place.fits(t):
+                if place is not None:
+                    self.host.free(tracked.places.pop(where).slot)
+                slot = self.host.alloc(nbytes, wait=True)
+                if slot is None:
+                    say_once("optimizer-state-host", "lmsrt: the host memory budget refused "
+                             f"room for optimizer state ({format_bytes(nbytes)}): it stays on "
+                             f"the GPU (said once; {spelled('host_budget_gb')} raises it).",
+                             given=self._said)
+                    continue
+                place = tracked.places[where] = _Place(slot, t)
+            self._written = self.copies.copy_out(t.untyped_storage(), place.slot, compute)
+            self.device.free_after(t, self.copies.d2h)              # Rule 4
+            p_state[key] = place.host
+            self.out_bytes += nbytes
+        # A place whose tensor left the state (``load_state_dict``) goes; one not read in this
+        # step (no gradient reached its parameter) still holds its tensor.
+        seen.update(where for where, _, _, _ in self._on_host(optimizer, tracked))
+        for where in [w for w in tracked.places if w not in seen]:
+            self.host.free(tracked.places.pop(where).slot)
+
+    # -- what is where -------------------------------------------------------------------------
+
+    def _on_device(self, optimizer, tracked: _Tracked) -> Iterator[tuple]:
+        """(param, its state, key, tensor) of each movable state tensor on the device (Rule 2)."""
+        owns, least, places = self.device.owns, self.min_bytes, tracked.places
+        for p, p_state in dict.items(optimizer.state):
+            for key, t in p_state.items():
+                if type(t) is not torch.Tensor or not owns(t):
+                    continue                       # (a DTensor's shards are FSDP's to move)
+                place = places.get((id(p), key))
+                if place is not None and t is place.host:
+                    continue                       # on the host already (the simulated device)
+                nbytes = t.untyped_storage().nbytes()
+                if (nbytes >= least and t.storage_offset() == 0
+                        and nbytes == t.numel() * t.element_size()):
+                    yield p, p_state, key, t
+
+    @staticmethod
+    def _on_host(optimizer, tracked: _Tracked) -> List[tuple]:
+        """((id(param), key), its state, key, place) of each state tensor of ``optimizer`` on
+        the host."""
+        places, found = tracked.places, []
+        for p, p_state in dict.items(optimizer.state):
+            for key, t in p_state.items():
+                place = places.get((id(p), key))
+                if place is not None and t is place.host:
+                    found.append(((id(p), key), p_state, key, place))
+        return found
+
+    # -- the engine's calls --------------------------------------------------------------------
+
+    def figures(self) -> Dict[str, int]:
+        """This step's figures, by their ``StepStats`` names."""
+        on_host = sum(place.slot.nbytes for tracked in list(self._tracked.values())
+                      if tracked.moved for place in tracked.places.values())
+        return {"optimizer_host_bytes": on_host, "optimizer_in_bytes": self.in_bytes,
+                "optimizer_out_bytes": self.out_bytes}
+
+    def new_step(self) -> None:
+        self.in_bytes = self.out_bytes = 0
+
+    def close(self) -> None:
+        """Rule 6: the state back on the device, and this mover out of the hooks."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.mode != "gpu":
+            _hooks.remove_user(self)
+        for optimizer, tracked in list(self._tracked.items()):
+            if not tracked.moved:
+                continue
+            try:
+                self._fetch(optimizer, tracked)
+            except torch.OutOfMemoryError:
+                say_once("optimizer-state-close", f"lmsrt: {type(optimizer).__name__}'s state "
+                         "did not fit back on the GPU as the LMS closed: it stays in host "
+                         "memory, and the optimizer's next step fails on mixed devices (said "
+                         "once). Move it with optimizer.load_state_dict(optimizer.state_dict()) "
+                         "once there is room.", given=self._said, warn=True)
+                continue
+            state = optimizer.state
+            if isinstance(state, _HostState):
+                optimizer.state = collections.defaultdict(dict, dict.items(state))
+        self._tracked.clear()
+
+
+def _mover_of(optimizer) -> "OptimizerMover | None":
+    """The mover of ``optimizer``'s steps: the one whose dict it holds while that one is open,
+    else the newest open one (a script that makes a new LMS leaves its old one behind)."""
+    state = optimizer.state
+    owner = state._mover() if isinstance(state, _HostState) else None
+    if owner is not None and not owner.closed:
+        return owner
+    _movers[:] = [ref for ref in _movers if ref() is not None and not ref().closed]
+    return _movers[-1]() if _movers else None
+
+
+def _pre(optimizer, args, kwargs) -> None:
+    mover = _mover_of(optimizer)
+    if mover is not None:
+        mover.before_step(optimizer)
+
+
+def _post(optimizer, args, kwargs) -> None:
+    mover = _mover_of(optimizer)
+    if mover is not None:
+        mover.after_step(optimizer)
+
+
+# Made while a mover is open (torch_patches.py, NOTE [ What lmsrt changes in torch ], 9).
+_hooks = torch_patches.optimizer_step_patch(_pre, _post)

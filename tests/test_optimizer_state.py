@@ -1,0 +1,221 @@
+"""Optimizer state in host memory between optimizer steps (lmsrt/movers/optimizer.py, NOTE
+[ Optimizer state on the host ]): parameters after every step ``torch.equal`` to the run without
+lmsrt, for the optimizers people use, in plain loops and in closures."""
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import pytest
+import torch
+from models import DEVICES, make_lms, torch_device
+
+import lmsrt
+
+# name -> (the optimizer for these parameters, state keys it moves)
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw-for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+}
+
+
+def _model(dev):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 64)).to(dev)
+
+
+def _train(kind, name, lms=None, steps=4, closure=False, probe=None):
+    """``steps`` optimizer steps; each step's parameters. ``probe(opt)`` runs inside each
+    closure (between the step's pre-hook and the optimizer's reads)."""
+    dev = torch_device(kind)
+    model = _model(dev)
+    opt = OPTIMIZERS[name](model.parameters())
+    x = torch.randn(32, 64, device=dev)
+
+    def forward_backward():
+        opt.zero_grad(set_to_none=True)
+        with lms or contextlib.nullcontext():
+            loss = model(x).square().mean()
+        loss.backward()
+        if probe is not None:
+            probe(opt)
+        return loss
+
+    seen = []
+    for _ in range(steps):
+        if closure:
+            opt.step(forward_backward)
+        else:
+            forward_backward()
+            opt.step()
+        seen.append([p.detach().clone() for p in model.parameters()])
+    return seen, opt, model
+
+
+def _assert_same_params(ref, got):
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for i, (pa, pb) in enumerate(zip(a, b)):
+            assert torch.equal(pa, pb), f"step {step + 1}, parameter {i} differs"
+
+
+def _host_tensors(opt, least=64 << 10):
+    """The state's tensors of ``least`` bytes or more (what lms=64 moves), read past the mover
+    (``dict``'s own methods)."""
+    return [t for s in dict.values(opt.state) for t in s.values()
+            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() >= least]
+
+
+def _check_exact(kind, name, closure):
+    ref, ref_opt, _ = _train(kind, name, closure=closure)
+    lms = make_lms(kind, optimizer_state="host", lms=64)
+    between = []
+    got, opt, _ = _train(kind, name, lms=lms, closure=closure,
+                         probe=lambda o: between.append([id(t) for t in _host_tensors(o)]))
+    _assert_same_params(ref, got)
+    last = lms.stats()["last_step"]
+    moved = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
+    assert last["optimizer_host_bytes"] == moved > 0
+    assert last["optimizer_in_bytes"] == last["optimizer_out_bytes"] == moved
+    if kind == "cuda":
+        assert all(t.is_cpu and t.is_pinned() for t in _host_tensors(opt))
+    # Inside each later step, up to the optimizer's first read (after forward and backward, in a
+    # closure), the state is still the host tensors the step before left.
+    after = [id(t) for t in _host_tensors(opt)]
+    assert between[1:] == [after] * (len(between) - 1)
+    # What the optimizer holds is what it holds without lmsrt.
+    for s_ref, s_got in zip(ref_opt.state.values(), opt.state.values()):
+        for key in s_ref:
+            assert torch.equal(s_ref[key].cpu(), s_got[key].cpu()), key
+    lms.close()
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_optimizer_state_on_the_host_trains_exactly(kind, name):
+    if name == "adamw-fused" and kind == "sim":
+        try:
+            torch.optim.AdamW([torch.zeros(2, requires_grad=True)], fused=True).step()
+        except RuntimeError:
+            pytest.skip("fused AdamW is not built for the CPU in this torch")
+    _check_exact(kind, name, closure=False)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_optimizer_state_comes_back_after_a_closures_forward_and_backward(kind):
+    _check_exact(kind, "adamw", closure=True)
+
+
+def _check_state_dict(kind):
+    """Rule 5: state_dict() between steps gives the exact state, on the CPU; loaded back (as a
+    checkpoint resumed), training goes on exactly."""
+    ref, ref_opt, ref_model = _train(kind, "adamw", steps=3)
+    lms = make_lms(kind, optimizer_state="host", lms=64)
+    got, opt, model = _train(kind, "adamw", lms=lms, steps=3)
+    saved = opt.state_dict()
+    expected = ref_opt.state_dict()
+    for i, s in saved["state"].items():
+        for key, t in s.items():
+            assert torch.equal(t.cpu(), expected["state"][i][key].cpu()), (i, key)
+    opt.load_state_dict(saved)                  # a plain dict now, on the device
+    assert type(opt.state) is collections.defaultdict
+    dev = torch_device(kind)
+    x = torch.randn(32, 64, device=dev)
+    for m, o, with_lms in ((ref_model, ref_opt, None), (model, opt, lms)):
+        torch.manual_seed(1)
+        for _ in range(2):
+            o.zero_grad()
+            with with_lms or contextlib.nullcontext():
+                loss = m(x).square().mean()
+            loss.backward()
+            o.step()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert lms.stats()["last_step"]["optimizer_host_bytes"] > 0     # moved out again
+    lms.close()
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_optimizer_state_dict_is_exact_and_loads_back(kind):
+    _check_state_dict(kind)
+
+
+def _check_close(kind):
+    """Rule 6: after the LMS closes, the state is back on the device in a plain dict, and the
+    optimizer steps on exactly without lmsrt."""
+    ref, _, _ = _train(kind, "sgd-momentum", steps=5)
+    lms = make_lms(kind, optimizer_state="host", lms=64)
+    dev = torch_device(kind)
+    model = _model(dev)
+    opt = OPTIMIZERS["sgd-momentum"](model.parameters())
+    x = torch.randn(32, 64, device=dev)
+    got = []
+    for step in range(5):
+        if step == 3:
+            lms.close()
+            assert type(opt.state) is collections.defaultdict
+            assert all(t.device == dev for t in _host_tensors(opt))
+        opt.zero_grad()
+        with (lms if step < 3 else contextlib.nullcontext()):
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        got.append([p.detach().clone() for p in model.parameters()])
+    _assert_same_params(ref, got)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_closing_the_lms_brings_the_optimizer_state_back(kind):
+    _check_close(kind)
+
+
+def test_auto_moves_the_state_only_where_it_would_not_fit():
+    """Rule 1: on a simulated device of 16 MiB, AdamW's 2.3 MiB of state fits beside the step's
+    peak and stays; on one whose limit the step's peak nearly fills, it moves."""
+    from lmsrt.device import SimulatedDevice
+
+    results = {}
+    for capacity in (16 << 20, None):
+        probe_lms = make_lms("sim", lms=64)
+        _train("sim", "adamw", lms=probe_lms, steps=1)
+        peak = probe_lms.stats()["last_step"]["gpu_peak_bytes"]
+        probe_lms.close()
+        # The second: a limit that the step's peak plus its state passes by a little.
+        cap = capacity or peak + (peak >> 3) + (1 << 20)
+        lms = lmsrt.LMS(device=SimulatedDevice(capacity=cap), lms=64, lms_frac=0.0)
+        got, opt, _ = _train("sim", "adamw", lms=lms, steps=3)
+        results[capacity] = lms.stats()["last_step"]["optimizer_host_bytes"]
+        lms.close()
+    state = sum(2 * p.numel() * 4 for p in _model("cpu").parameters() if p.numel() * 4 >= 64 << 10)
+    assert results[16 << 20] == 0
+    assert results[None] == state
+
+
+def test_gpu_keeps_the_state_where_the_optimizer_made_it():
+    lms = make_lms("sim", optimizer_state="gpu", lms=64)
+    ref, _, _ = _train("sim", "adamw", steps=2)
+    got, opt, _ = _train("sim", "adamw", lms=lms, steps=2)
+    _assert_same_params(ref, got)
+    assert type(opt.state) is collections.defaultdict
+    assert lms.stats()["last_step"]["optimizer_host_bytes"] == 0
+    lms.close()
+
+
+def test_the_step_hooks_go_with_the_last_mover():
+    from torch.optim import optimizer as optim
+    before = (len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks))
+    lms = make_lms("sim", optimizer_state="host", recompute=False)
+    assert len(optim._global_optimizer_post_hooks) == before[1] + 1
+    lms.close()
+    assert (len(optim._global_optimizer_pre_hooks),
+            len(optim._global_optimizer_post_hooks)) == before
+
+
+def test_a_bad_optimizer_state_setting_says_what_to_give():
+    with pytest.raises(ValueError, match="optimizer_state must be one of auto, host, gpu"):
+        lmsrt.LMS(device="sim", optimizer_state="cpu")
