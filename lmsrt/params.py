@@ -37,7 +37,7 @@ import torch
 
 from . import torch_patches
 
-__all__ = ["watch", "unwatch"]
+__all__ = ["watch", "unwatch", "before_step"]
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()     # engines that rebuild (with recompute on)
 
@@ -47,7 +47,7 @@ def _before_change(p: torch.Tensor) -> None:
         engine.materialize((id(p),))
 
 
-def _before_step(optimizer, args, kwargs) -> None:
+def before_step(optimizer, args=(), kwargs=None) -> None:
     """torch.optim's global step pre-hook (Rule 1), and the last moment to refuse a step whose
     gradients came from a rebuild that differed."""
     engines = list(_engines)
@@ -63,7 +63,7 @@ def _before_step(optimizer, args, kwargs) -> None:
 # Made while an engine needs them, undone when the last one closes or is collected
 # (torch_patches.py, NOTE [ What lmsrt changes in torch ], 7 and 8).
 _data_property = torch_patches.parameter_data_patch(_before_change)
-_step_hook = torch_patches.optimizer_step_patch(_before_step)
+_step_hook = torch_patches.optimizer_step_patch(before_step)
 
 
 def watch(engine, parameters: bool = False) -> None:

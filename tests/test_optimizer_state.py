@@ -23,18 +23,40 @@ OPTIMIZERS = {
 }
 
 
-def _model(dev):
+@pytest.fixture(autouse=True)
+def _close_every_lms(monkeypatch):
+    """Each LMS made in a test is closed after it, failed or not: an open one left behind
+    would move the state of a later test's reference run (the newest open LMS moves it)."""
+    made = []
+
+    class Closed(lmsrt.LMS):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(lmsrt, "LMS", Closed)
+    yield
+    for lms in made:
+        lms.close()
+
+
+def _model(dev, stack=False):
+    """An MLP; ``stack``: 12 equal layers of 256 (0.5 MiB of AdamW state per weight)."""
     torch.manual_seed(0)
+    if stack:
+        layers = [m for _ in range(12) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), *layers,
+                                   torch.nn.Linear(256, 64)).to(dev)
     return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(),
                                torch.nn.Linear(512, 512), torch.nn.GELU(),
                                torch.nn.Linear(512, 64)).to(dev)
 
 
-def _train(kind, name, lms=None, steps=4, closure=False, probe=None):
+def _train(kind, name, lms=None, steps=4, closure=False, probe=None, stack=False):
     """``steps`` optimizer steps; each step's parameters. ``probe(opt)`` runs inside each
     closure (between the step's pre-hook and the optimizer's reads)."""
     dev = torch_device(kind)
-    model = _model(dev)
+    model = _model(dev, stack)
     opt = OPTIMIZERS[name](model.parameters())
     x = torch.randn(32, 64, device=dev)
 
@@ -172,6 +194,91 @@ def _check_close(kind):
 @pytest.mark.parametrize("kind", DEVICES)
 def test_closing_the_lms_brings_the_optimizer_state_back(kind):
     _check_close(kind)
+
+
+def _state_peaks(lms, name, stack=True, hook=None, steps=3):
+    """Train on ``lms``'s simulated device and read, around each optimizer step, the most
+    device memory its state took (the simulated device counts what lmsrt allocates); the
+    parameters of each step."""
+    device = lms._device
+    model = _model(torch.device("cpu"), stack)
+    opt = OPTIMIZERS[name](model.parameters())
+    if hook is not None:
+        opt.register_step_post_hook(hook)
+    x = torch.randn(32, 64)
+    peaks, seen = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        with lms:
+            loss = model(x).square().mean()
+        loss.backward()
+        base = device.memory_allocated()
+        device.reset_peak()
+        opt.step()
+        peaks.append(device.peak_allocated() - base)
+        seen.append([p.detach().clone() for p in model.parameters()])
+    return peaks, seen, opt
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("closure", [False, True], ids=["loop", "closure"])
+def test_a_step_in_parts_holds_a_part_of_the_state_and_stays_exact(name, closure):
+    """Rule 7: under a 16 MiB limit a step goes in parts of 1 MiB of state, the next fetched
+    while one runs, so the device holds two parts at most, not the 4.6 MiB of AdamW's state.
+    With a closure (which zeroes the gradients), it runs first with the groups whole."""
+    if name == "adamw-fused":
+        pytest.skip("the same per-parameter arithmetic as adamw (its CPU kernel: test above)")
+    from lmsrt.device import SimulatedDevice
+
+    ref, _, _ = _train("sim", name, closure=closure, stack=True)
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=16 << 20), lms=64, lms_frac=0.0,
+                    optimizer_state="host")
+    got, opt, _ = _train("sim", name, lms=lms, closure=closure, stack=True)
+    _assert_same_params(ref, got)
+    peaks, _, opt = _state_peaks(lms, name)
+    state = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
+    assert state > 3 << 20
+    assert 0 < max(peaks[1:]) <= 2 * (1 << 20) + (64 << 10), (peaks, state)
+    lms.close()
+
+
+def test_a_users_step_hook_sees_the_whole_step():
+    """Rule 7: with a hook of the user's (an average of the weights, updated after each step)
+    the step is not cut, so the hook sees every parameter updated; exact, with the whole state
+    on the device during the step."""
+    from lmsrt.device import SimulatedDevice
+
+    def averaged(runs):
+        average = {}
+
+        def hook(opt, args, kwargs):
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                average[id(p)] = average.get(id(p), 0) + p.detach().sum().item()
+        _, seen, _ = runs(hook)
+        return sorted(average.values()), seen
+
+    ref_avg, ref = averaged(lambda hook: _state_peaks(_Plain(), "adamw", hook=hook))
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=16 << 20), lms=64, lms_frac=0.0,
+                    optimizer_state="host")
+    got_avg, got = averaged(lambda hook: _state_peaks(lms, "adamw", hook=hook))
+    _assert_same_params(ref, got)
+    assert got_avg == ref_avg
+    peaks, _, opt = _state_peaks(lms, "adamw", hook=lambda *a: None)
+    state = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
+    assert peaks[-1] >= state                   # whole
+    lms.close()
+
+
+class _Plain(contextlib.nullcontext):
+    """No LMS, and a simulated device that counts nothing: for ``_state_peaks``' reference."""
+
+    class _device:
+        @staticmethod
+        def memory_allocated():
+            return 0
+
+        reset_peak = staticmethod(lambda: None)
+        peak_allocated = staticmethod(lambda: 0)
 
 
 def test_auto_moves_the_state_only_where_it_would_not_fit():

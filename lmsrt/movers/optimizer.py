@@ -8,7 +8,7 @@ optimizer steps and brings them back for the step:
   Rule 1 (when). ``optimizer_state="host"``: from the end of each optimizer's first step.
     ``"auto"`` (the default): from the end of the step that created an optimizer's state, if
     that step's peak before the optimizer ran, plus the state it created, does not fit under the
-    limit (``policy.state_fits``): the next forward would hold the state on top of what just
+    limit (``policy.step_fits``): the next forward would hold the state on top of what just
     fitted, and a learning step's peak is the least the engine can hold. Once moved, an
     optimizer's state stays on the host for the run. ``"gpu"``: never.
   Rule 2 (what). Each tensor of the state on this device, of ``lms`` KiB or more, that is its
@@ -28,6 +28,15 @@ optimizer steps and brings them back for the step:
     ``load_state_dict`` is moved out again at the end of the next step.
   Rule 6 (close). Closing the LMS brings the state back to the GPU, where the optimizer expects
     it; if it does not fit there, it stays on the CPU, said once.
+  Rule 7 (in parts; streamed.py). Where the state is on the host, a step of a torch.optim class
+    whose update is per parameter (SGD, Adam, AdamW, ...) runs in parts of about ``part_bytes``
+    of state each, so the step holds a part at a time, not all of it: the parameter groups are
+    narrowed to a part's parameters, and the next part's state comes in while a part runs. Only
+    where no step hooks but lmsrt's are set (a user's hook would see a part, not the step) and
+    the class's own ``step`` is torch's. A closure runs first, in the pre-hook, with the groups
+    whole (it may zero their gradients), as the step would run it; then part 1 runs as the
+    step, and the rest in the post-hook, each with the step's arguments. Per-parameter updates
+    make the parts' arithmetic the step's, bit for bit.
 
 Exact: the optimizer's arithmetic is the same, on the same bytes.
 """
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -43,6 +52,7 @@ from .. import torch_patches
 from ..options import spelled
 from ..say import say_once
 from ..units import format_bytes
+from .streamed import Parts
 
 __all__ = ["OptimizerMover", "MODES"]
 
@@ -67,16 +77,17 @@ class _Place:
 class _Tracked:
     """One optimizer as the mover sees it."""
 
-    __slots__ = ("places", "moved", "fetched", "in_step", "created", "peak_before",
+    __slots__ = ("places", "moved", "fetched", "in_step", "created", "peak_before", "parts",
                  "__weakref__")
 
     def __init__(self):
         self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
         self.moved = False          # its state lives on the host between steps (Rule 1)
-        self.fetched = False        # brought back in this step (Rule 3)
+        self.fetched = False        # this step (or part) has brought its state in (Rule 3)
         self.in_step = False        # between its step's pre- and post-hook
         self.created = False        # this step found no state of it on the device
         self.peak_before = 0        # the engine's step peak when its step began
+        self.parts: Optional[Parts] = None     # this step's parts, when streamed (Rule 7)
 
 
 class _HostState(collections.defaultdict):
@@ -121,17 +132,19 @@ class OptimizerMover:
     Example::
 
         mover = OptimizerMover(device, copies, host, threading.RLock(), min_bytes=1 << 20,
-                               mode="host", step_peak=lambda: 0, fits=lambda peak: True)
+                               mode="host", step_peak=lambda: 0, fits=lambda peak: True,
+                               part_bytes=1 << 30)
         optimizer.step()        # from the end of this step its state lives on the host
     """
 
     def __init__(self, device, copies, host, lock, *, min_bytes: int, mode: str,
-                 step_peak: Callable[[], int], fits: Callable[[int], bool]):
+                 step_peak: Callable[[], int], fits: Callable[[int], bool], part_bytes: int):
         if mode not in MODES:
             raise ValueError(f"optimizer_state must be one of {', '.join(MODES)}, got {mode!r}")
         self.device, self.copies, self.host, self.lock = device, copies, host, lock
         self.min_bytes, self.mode = min_bytes, mode
         self.step_peak, self.fits = step_peak, fits
+        self.part_bytes = part_bytes  # of state per part of a streamed step (Rule 7)
         self._tracked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._written = None          # the last write-back's event (Rules 3, 5)
         self._said: set = set()
@@ -145,18 +158,25 @@ class OptimizerMover:
 
     # -- the step's hooks ----------------------------------------------------------------------
 
-    def before_step(self, optimizer) -> None:
+    def before_step(self, optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
         if self.mode == "gpu":
-            return
+            return None
         tracked = self._tracked.get(optimizer)
         if tracked is None:
             tracked = self._tracked[optimizer] = _Tracked()
-        tracked.in_step, tracked.fetched = True, False
+        tracked.in_step, tracked.fetched, tracked.parts = True, False, None
         if not tracked.moved:
             tracked.created = next(self._on_device(optimizer, tracked), None) is None
             tracked.peak_before = self.step_peak()
+            return None
+        parts = Parts.plan(optimizer, tracked.places, self.part_bytes)
+        if parts is None:
+            return None
+        args, kwargs = parts.begin(optimizer, args, kwargs)        # Rule 7
+        tracked.parts = parts
+        return args, kwargs
 
-    def after_step(self, optimizer) -> None:
+    def after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         tracked = self._tracked.get(optimizer)
         if tracked is None or not tracked.in_step:
             return                  # its pre-hook ran before this mover was made
@@ -164,8 +184,24 @@ class OptimizerMover:
         if not tracked.moved and not self._should_move(optimizer, tracked):
             return
         tracked.moved = True
+        parts, tracked.parts = tracked.parts, None
         with self.lock:
             self._write_back(optimizer, tracked)
+            if parts is not None:
+                try:
+                    parts.run_rest(optimizer, args, kwargs, lambda: self._next_part(
+                        optimizer, tracked, parts))
+                    self._write_back(optimizer, tracked)        # the last part's
+                finally:
+                    parts.end(optimizer)
+            self._sweep(optimizer, tracked)
+
+    def _next_part(self, optimizer, tracked: _Tracked, parts: "Parts") -> None:
+        """Between two parts (Rule 7): the last one's state out, the next one's in."""
+        self._write_back(optimizer, tracked)
+        parts.narrow(optimizer)
+        tracked.fetched = False
+        self._fetch(optimizer, tracked, parts)
 
     def _should_move(self, optimizer, tracked: _Tracked) -> bool:
         """Rule 1."""
@@ -182,8 +218,7 @@ class OptimizerMover:
                  f"fit beside this step's peak of {format_bytes(tracked.peak_before)} under the "
                  "limit: it lives in pinned host memory between optimizer steps from now on and "
                  f"comes back for each step (said once; {spelled('optimizer_state', 'gpu')} "
-                 "keeps it there).",
-                 given=self._said)
+                 "keeps it there).", given=self._said)
         return True
 
     # -- reads (Rules 3, 5) --------------------------------------------------------------------
@@ -194,35 +229,49 @@ class OptimizerMover:
             return
         if tracked.in_step:
             with self.lock:
-                self._fetch(optimizer, tracked)
+                self._fetch(optimizer, tracked, tracked.parts)
         elif self._written is not None:             # Rule 5: its host bytes may be in flight
             self._written.synchronize()
             self._written = None
 
-    def _fetch(self, optimizer, tracked: _Tracked) -> None:
-        """Rule 3: every host tensor of ``optimizer``'s state back on the device."""
+    def _fetch(self, optimizer, tracked: _Tracked, parts: Optional["Parts"] = None) -> None:
+        """Rule 3: the host tensors of the parameters in ``optimizer``'s groups back on the
+        device; and with ``parts``, the next part's on their way (Rule 7)."""
         tracked.fetched = True
         compute = self.device.current_stream()
+        # What is not on its way already (a part fetched ahead is on the device in the dict).
+        waits = [self._bring(optimizer, tracked, _in_groups(optimizer), compute)]
+        if parts is not None:
+            waits.append(parts.ahead)
+            following = parts.following()
+            parts.ahead = (self._bring(optimizer, tracked, following, compute)
+                           if following else None)
+        for done in waits:
+            if done is not None:
+                done.wait(compute)
+
+    def _bring(self, optimizer, tracked: _Tracked, ids: set, compute):
+        """Start the copies in of the host tensors of the parameters ``ids``; the last one's
+        event, or None."""
         if self._written is not None:
             self._written.wait(self.copies.h2d)
         done = None
-        for _, p_state, key, place in self._on_host(optimizer, tracked):
+        for _, p_state, key, place in self._on_host(optimizer, tracked, ids):
             block = self.device.empty(place.slot.nbytes)
             done = self.copies.copy_in(block, place.slot, compute)
             p_state[key] = block.view(place.dtype).as_strided(place.size, place.stride)
             self.in_bytes += place.slot.nbytes
-        if done is not None:
-            done.wait(compute)                      # one H2D stream: its last event covers all
+        return done
 
     def _write_back(self, optimizer, tracked: _Tracked) -> None:
-        """Rule 4: every movable state tensor on the device out to its host place."""
+        """Rule 4: every movable state tensor of the parameters in the groups out to its host
+        place."""
         if not isinstance(optimizer.state, _HostState) or optimizer.state._mover() is not self:
             optimizer.state = _HostState(self, optimizer, optimizer.state)   # (a new dict)
         compute = self.device.current_stream()
-        seen = set()
-        for p, p_state, key, t in list(self._on_device(optimizer, tracked)):
+        for p, p_state, key, t in list(self._on_device(optimizer, tracked,
+                                                       _in_groups(optimizer))):
             where = (id(p), key)
-            seen.add(where)
             nbytes = t.untyped_storage().nbytes()
             place = tracked.places.get(where)
             if place is None or not place.fits(t):
@@ -240,18 +289,23 @@ class OptimizerMover:
             self.device.free_after(t, self.copies.d2h)              # Rule 4
             p_state[key] = place.host
             self.out_bytes += nbytes
-        # A place whose tensor left the state (``load_state_dict``) goes; one not read in this
-        # step (no gradient reached its parameter) still holds its tensor.
-        seen.update(where for where, _, _, _ in self._on_host(optimizer, tracked))
-        for where in [w for w in tracked.places if w not in seen]:
+
+    def _sweep(self, optimizer, tracked: _Tracked) -> None:
+        """Give back the places whose tensors left the state (``load_state_dict``)."""
+        held = {where for where, _, _, _ in self._on_host(optimizer, tracked)}
+        for where in [w for w in tracked.places if w not in held]:
             self.host.free(tracked.places.pop(where).slot)
 
     # -- what is where -------------------------------------------------------------------------
 
-    def _on_device(self, optimizer, tracked: _Tracked) -> Iterator[tuple]:
-        """(param, its state, key, tensor) of each movable state tensor on the device (Rule 2)."""
+    def _on_device(self, optimizer, tracked: _Tracked,
+                   ids: Optional[set] = None) -> Iterator[tuple]:
+        """(param, its state, key, tensor) of each movable state tensor on the device (Rule 2),
+        of the parameters ``ids`` if given."""
         owns, least, places = self.device.owns, self.min_bytes, tracked.places
         for p, p_state in dict.items(optimizer.state):
+            if ids is not None and id(p) not in ids:
+                continue
             for key, t in p_state.items():
                 if type(t) is not torch.Tensor or not owns(t):
                     continue                       # (a DTensor's shards are FSDP's to move)
@@ -264,11 +318,13 @@ class OptimizerMover:
                     yield p, p_state, key, t
 
     @staticmethod
-    def _on_host(optimizer, tracked: _Tracked) -> List[tuple]:
+    def _on_host(optimizer, tracked: _Tracked, ids: Optional[set] = None) -> List[tuple]:
         """((id(param), key), its state, key, place) of each state tensor of ``optimizer`` on
-        the host."""
+        the host, of the parameters ``ids`` if given."""
         places, found = tracked.places, []
         for p, p_state in dict.items(optimizer.state):
+            if ids is not None and id(p) not in ids:
+                continue
             for key, t in p_state.items():
                 place = places.get((id(p), key))
                 if place is not None and t is place.host:
@@ -298,7 +354,10 @@ class OptimizerMover:
             if not tracked.moved:
                 continue
             try:
-                self._fetch(optimizer, tracked)
+                done = self._bring(optimizer, tracked, _in_groups(optimizer),
+                                   self.device.current_stream())
+                if done is not None:
+                    done.wait(self.device.current_stream())
             except torch.OutOfMemoryError:
                 say_once("optimizer-state-close", f"lmsrt: {type(optimizer).__name__}'s state "
                          "did not fit back on the GPU as the LMS closed: it stays in host "
@@ -323,16 +382,19 @@ def _mover_of(optimizer) -> "OptimizerMover | None":
     return _movers[-1]() if _movers else None
 
 
-def _pre(optimizer, args, kwargs) -> None:
+def _in_groups(optimizer) -> set:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _pre(optimizer, args, kwargs) -> Optional[tuple]:
     mover = _mover_of(optimizer)
-    if mover is not None:
-        mover.before_step(optimizer)
+    return None if mover is None else mover.before_step(optimizer, args, kwargs)
 
 
 def _post(optimizer, args, kwargs) -> None:
     mover = _mover_of(optimizer)
     if mover is not None:
-        mover.after_step(optimizer)
+        mover.after_step(optimizer, args, kwargs)
 
 
 # Made while a mover is open (torch_patches.py, NOTE [ What lmsrt changes in torch ], 9).

@@ -1,0 +1,127 @@
+"""An optimizer step in parts, each holding a part of the state on the GPU (NOTE [ Optimizer
+state on the host ], Rule 7, in movers/optimizer.py)."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .. import params
+
+__all__ = ["Parts"]
+
+# torch.optim classes whose update of a parameter reads only that parameter, its gradient and
+# its own state: a step in parts does each parameter's arithmetic as the whole step does.
+_PER_PARAMETER = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                            torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
+                            torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta})
+
+
+class _Ran:
+    """A closure that already ran: gives what it gave."""
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    def __call__(self):
+        return self.loss
+
+
+class Parts:
+    """One step's parts: per part, the parameters of each group in it (``parts[i][g]``).
+    ``index`` is the part running; ``ahead`` the event of the next part's copies in, if under
+    way.
+
+    Example::
+
+        parts = Parts.plan(optimizer, places, part_bytes=1 << 30)    # None: one part, or unsafe
+        args, kwargs = parts.begin(optimizer, args, kwargs)     # in the step's pre-hook
+    """
+
+    def __init__(self, parts: List[List[list]]):
+        self.parts = parts
+        self.index = 0
+        self.whole: List[list] = []         # each group's own parameter list
+        self.ahead = None
+
+    @classmethod
+    def plan(cls, optimizer, places: Dict[tuple, object], part_bytes: int) -> Optional["Parts"]:
+        """Parts of about ``part_bytes`` of host state each (``places``: (id(param), key) ->
+        place), in the groups' order; None where one part holds it all or the step may not be
+        cut (Rule 7)."""
+        if (type(optimizer) not in _PER_PARAMETER or not _only_lmsrt_hooks(optimizer)
+                or getattr(type(optimizer).step, "__wrapped__", None) is None):
+            return None
+        per: Dict[int, int] = {}
+        for (pid, _), place in places.items():
+            per[pid] = per.get(pid, 0) + place.slot.nbytes
+        groups = optimizer.param_groups
+        parts, part, size = [], [[] for _ in groups], 0
+        for g, group in enumerate(groups):
+            for p in group["params"]:
+                nbytes = per.get(id(p), 0)
+                if size and size + nbytes > part_bytes:
+                    parts.append(part)
+                    part, size = [[] for _ in groups], 0
+                part[g].append(p)
+                size += nbytes
+        parts.append(part)
+        return cls(parts) if len(parts) > 1 else None
+
+    def begin(self, optimizer, args: tuple, kwargs: dict) -> tuple:
+        """In the step's pre-hook: run the closure with the groups whole, make the rebuilds that
+        read the parameters (params.py, Rule 1: the pre-hook that makes them may come after
+        this one), and narrow the groups to the first part. The step's (args, kwargs)."""
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is not None:
+            with torch.enable_grad():
+                ran = _Ran(closure())
+            args, kwargs = _with_closure(args, kwargs, ran)
+        params.before_step(optimizer)
+        self.whole = [group["params"] for group in optimizer.param_groups]
+        self.narrow(optimizer)
+        return args, kwargs
+
+    def narrow(self, optimizer) -> None:
+        for group, part in zip(optimizer.param_groups, self.parts[self.index]):
+            group["params"] = part
+
+    def following(self) -> set:
+        """The parameters of the part after the one running (an empty set after the last)."""
+        if self.index + 1 >= len(self.parts):
+            return set()
+        return {id(p) for group in self.parts[self.index + 1] for p in group}
+
+    def run_rest(self, optimizer, args: tuple, kwargs: dict,
+                 between: Callable[[], None]) -> None:
+        """In the step's post-hook: the parts after the first, each as the step's own body
+        (no hooks: they ran once, around the whole), ``between()`` before each."""
+        body = type(optimizer).step.__wrapped__
+        args, kwargs = _with_closure(args, kwargs, None)
+        for self.index in range(1, len(self.parts)):
+            between()
+            body(*args, **kwargs)
+
+    def end(self, optimizer) -> None:
+        """The groups whole again."""
+        for group, whole in zip(optimizer.param_groups, self.whole):
+            group["params"] = whole
+
+
+def _with_closure(args: tuple, kwargs: dict, closure) -> tuple:
+    if len(args) > 1:
+        return (args[0], closure, *args[2:]), kwargs
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return args, kwargs
+
+
+def _only_lmsrt_hooks(optimizer) -> bool:
+    """Whether every step hook of ``optimizer``, global or its own, is lmsrt's: another's would
+    see one part, not the step."""
+    from torch.optim import optimizer as torch_optimizer
+    hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+             *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values()]
+    return (all(getattr(h, "__module__", "").startswith("lmsrt.") for h in hooks)
+            and not getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            and not getattr(optimizer, "_optimizer_step_post_hooks", None))
