@@ -40,19 +40,19 @@ def _close_every_lms(monkeypatch):
         lms.close()
 
 
-def _model(dev, stack=False):
-    """An MLP; ``stack``: 12 equal layers of 256 (0.5 MiB of AdamW state per weight)."""
+def _model(dev, stack=0):
+    """An MLP; ``stack``: of 12 equal layers that wide (256: 0.5 MiB of AdamW state a weight)."""
     torch.manual_seed(0)
     if stack:
-        layers = [m for _ in range(12) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]
-        return torch.nn.Sequential(torch.nn.Linear(64, 256), *layers,
-                                   torch.nn.Linear(256, 64)).to(dev)
+        layers = [m for _ in range(12) for m in (torch.nn.Linear(stack, stack), torch.nn.GELU())]
+        return torch.nn.Sequential(torch.nn.Linear(64, stack), *layers,
+                                   torch.nn.Linear(stack, 64)).to(dev)
     return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(),
                                torch.nn.Linear(512, 512), torch.nn.GELU(),
                                torch.nn.Linear(512, 64)).to(dev)
 
 
-def _train(kind, name, lms=None, steps=4, closure=False, probe=None, stack=False):
+def _train(kind, name, lms=None, steps=4, closure=False, probe=None, stack=0):
     """``steps`` optimizer steps; each step's parameters. ``probe(opt)`` runs inside each
     closure (between the step's pre-hook and the optimizer's reads)."""
     dev = torch_device(kind)
@@ -196,7 +196,7 @@ def test_closing_the_lms_brings_the_optimizer_state_back(kind):
     _check_close(kind)
 
 
-def _state_peaks(lms, name, stack=True, hook=None, steps=3):
+def _state_peaks(lms, name, stack=256, hook=None, steps=3):
     """Train on ``lms``'s simulated device and read, around each optimizer step, the most
     device memory its state took (the simulated device counts what lmsrt allocates); the
     parameters of each step."""
@@ -220,26 +220,70 @@ def _state_peaks(lms, name, stack=True, hook=None, steps=3):
     return peaks, seen, opt
 
 
+@contextlib.contextmanager
+def _limited(kind, nbytes, **kw):
+    """An LMS moving optimizer state, under a limit of ``nbytes``: a simulated device of that
+    size, or the GPU capped for the process."""
+    if kind == "sim":
+        from lmsrt.device import SimulatedDevice
+        yield lmsrt.LMS(device=SimulatedDevice(capacity=nbytes), lms=64, lms_frac=0.0,
+                        optimizer_state="host", **kw)
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(nbytes / total)
+    try:
+        yield make_lms("cuda", optimizer_state="host", lms=64, **kw)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("closure", [False, True], ids=["loop", "closure"])
-def test_a_step_in_parts_holds_a_part_of_the_state_and_stays_exact(name, closure):
-    """Rule 7: under a 16 MiB limit a step goes in parts of 1 MiB of state, the next fetched
-    while one runs, so the device holds two parts at most, not the 4.6 MiB of AdamW's state.
-    With a closure (which zeroes the gradients), it runs first with the groups whole."""
-    if name == "adamw-fused":
-        pytest.skip("the same per-parameter arithmetic as adamw (its CPU kernel: test above)")
-    from lmsrt.device import SimulatedDevice
-
-    ref, _, _ = _train("sim", name, closure=closure, stack=True)
-    lms = lmsrt.LMS(device=SimulatedDevice(capacity=16 << 20), lms=64, lms_frac=0.0,
-                    optimizer_state="host")
-    got, opt, _ = _train("sim", name, lms=lms, closure=closure, stack=True)
+def test_a_step_in_parts_stays_exact(kind, name, closure):
+    """Rule 7: a step in parts of a sixteenth of the limit of state each (1 MiB under 16 MiB,
+    64 MiB under a GPU capped at 1 GiB), the next part coming in while one runs. With a
+    closure (which zeroes the gradients), it runs first with the groups whole."""
+    if name == "adamw-fused" and kind == "sim":
+        pytest.skip("fused AdamW's CPU kernel: the whole step's test above")
+    width, limit = (256, 16 << 20) if kind == "sim" else (1024, 1 << 30)
+    ref, _, _ = _train(kind, name, closure=closure, stack=width)
+    with _limited(kind, limit) as lms:
+        got, opt, _ = _train(kind, name, lms=lms, closure=closure, stack=width)
+        assert sum(t.numel() * t.element_size() for t in _host_tensors(opt)) > 2 * (limit >> 4)
     _assert_same_params(ref, got)
-    peaks, _, opt = _state_peaks(lms, name)
-    state = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum", "adam-amsgrad"])
+def test_a_step_in_parts_holds_two_parts_of_the_state(name):
+    """Rule 7: under a 16 MiB limit, with parts of 1 MiB, the device holds two parts of the
+    state at most during the step (the one running and the next coming in), not all of it
+    (3 to 9 MiB)."""
+    with _limited("sim", 16 << 20) as lms:
+        peaks, _, opt = _state_peaks(lms, name)
+        state = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
     assert state > 3 << 20
     assert 0 < max(peaks[1:]) <= 2 * (1 << 20) + (64 << 10), (peaks, state)
-    lms.close()
+
+
+def test_auto_runs_a_first_step_that_would_not_fit_whole_in_parts():
+    """Rule 1: under an 8 MiB limit AdamW's first step would make 6 MiB of state beside 3 MiB of
+    parameters: the state goes to the host from that step on, made in parts; exact."""
+    from lmsrt.device import SimulatedDevice
+
+    ref, _, _ = _train("sim", "adamw", stack=256)
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=8 << 20), lms=64, lms_frac=0.0)
+    history = []
+    got, opt, _ = _train("sim", "adamw", lms=lms, stack=256,
+                         probe=lambda o: history.append(lms.stats()["last_step"]))
+    _assert_same_params(ref, got)
+    state = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
+    # Read in step 2's backward: step 1 ended with its state on the host, none brought in.
+    assert history[1]["optimizer_host_bytes"] == state > 6 << 20
+    assert lms.stats()["total"]["optimizer_in_bytes"] == 3 * state
 
 
 def test_a_users_step_hook_sees_the_whole_step():

@@ -5,12 +5,16 @@ AdamW's two moments take twice the parameters' bytes and sit on the GPU through 
 and backward, where nothing reads them. The mover keeps them in the engine's pinned pool between
 optimizer steps and brings them back for the step:
 
-  Rule 1 (when). ``optimizer_state="host"``: from the end of each optimizer's first step.
-    ``"auto"`` (the default): from the end of the step that created an optimizer's state, if
-    that step's peak before the optimizer ran, plus the state it created, does not fit under the
-    limit (``policy.step_fits``): the next forward would hold the state on top of what just
-    fitted, and a learning step's peak is the least the engine can hold. Once moved, an
-    optimizer's state stays on the host for the run. ``"gpu"``: never.
+  Rule 1 (when). ``optimizer_state="host"``: from each optimizer's first step (that step made
+    in parts where Rule 7 allows, else moved at its end). ``"gpu"``: never. ``"auto"`` (the
+    default), at the step that makes an optimizer's state: where Rule 7 allows parts, once the
+    step's closure ran, if the state it will make (the class's copies of each parameter that
+    has a gradient) and the update's temporaries (a copy of those parameters) do not fit beside
+    what is allocated (``policy.step_fits``), that step makes it on the host, in parts. Else at
+    its end, if the step's peak before the optimizer ran plus the state it made does not fit:
+    the next forward would hold the state on top of what just fitted, and a learning step's
+    peak is the least the engine can hold. Once moved, an optimizer's state stays on the host
+    for the run.
   Rule 2 (what). Each tensor of the state on this device, of ``lms`` KiB or more, that is its
     storage's whole (``exp_avg``, ``momentum_buffer``; not Adam's ``step`` scalar). Its bytes
     have a slot of the pool for the run; the state dict then holds a CPU tensor over that slot.
@@ -30,7 +34,8 @@ optimizer steps and brings them back for the step:
     it; if it does not fit there, it stays on the CPU, said once.
   Rule 7 (in parts; streamed.py). Where the state is on the host, a step of a torch.optim class
     whose update is per parameter (SGD, Adam, AdamW, ...) runs in parts of about ``part_bytes``
-    of state each, so the step holds a part at a time, not all of it: the parameter groups are
+    of state each (a sixteenth of the limit), so the step holds two parts (the one running and
+    the next coming in), not all of it: the parameter groups are
     narrowed to a part's parameters, and the next part's state comes in while a part runs. Only
     where no step hooks but lmsrt's are set (a user's hook would see a part, not the step) and
     the class's own ``step`` is torch's. A closure runs first, in the pre-hook, with the groups
@@ -52,7 +57,7 @@ from .. import torch_patches
 from ..options import spelled
 from ..say import say_once
 from ..units import format_bytes
-from .streamed import Parts
+from .streamed import Parts, may_cut, run_closure, state_to_come
 
 __all__ = ["OptimizerMover", "MODES"]
 
@@ -165,16 +170,39 @@ class OptimizerMover:
         if tracked is None:
             tracked = self._tracked[optimizer] = _Tracked()
         tracked.in_step, tracked.fetched, tracked.parts = True, False, None
-        if not tracked.moved:
+        cut = may_cut(optimizer)
+        if tracked.moved:
+            if not cut:
+                return None
+            per: Dict[int, int] = {}
+            for (pid, _), place in tracked.places.items():
+                per[pid] = per.get(pid, 0) + place.slot.nbytes
+            args, kwargs = run_closure(args, kwargs)
+        else:
             tracked.created = next(self._on_device(optimizer, tracked), None) is None
+            if not (cut and tracked.created):
+                tracked.peak_before = self.step_peak()
+                return None
+            args, kwargs = run_closure(args, kwargs)     # what it holds counts (Rule 1)
             tracked.peak_before = self.step_peak()
-            return None
-        parts = Parts.plan(optimizer, tracked.places, self.part_bytes)
-        if parts is None:
-            return None
-        args, kwargs = parts.begin(optimizer, args, kwargs)        # Rule 7
-        tracked.parts = parts
+            per = state_to_come(optimizer)
+            if self.mode == "auto" and self._fits_whole(optimizer, per):
+                return args, kwargs
+            tracked.moved = True
+            if self.mode == "auto":
+                self._say_moved(optimizer, sum(per.values()), self.device.memory_allocated())
+        parts = Parts.plan(optimizer, per, self.part_bytes)          # Rule 7
+        if parts is not None:
+            parts.begin(optimizer)
+            tracked.parts = parts
         return args, kwargs
+
+    def _fits_whole(self, optimizer, per: Dict[int, int]) -> bool:
+        """Rule 1, for a first step that makes its state: whether it fits on the device whole,
+        with the update's temporaries (a copy of the parameters, as a foreach update makes)."""
+        params = sum(p.numel() * p.element_size() for group in optimizer.param_groups
+                     for p in group["params"] if id(p) in per)
+        return self.fits(self.device.memory_allocated() + sum(per.values()) + params)
 
     def after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         tracked = self._tracked.get(optimizer)
@@ -213,13 +241,16 @@ class OptimizerMover:
                       for _, _, _, t in self._on_device(optimizer, tracked))
         if not created or self.fits(tracked.peak_before + created):
             return False
-        say_once("optimizer-state",
-                 f"lmsrt: {type(optimizer).__name__}'s state ({format_bytes(created)}) would not "
-                 f"fit beside this step's peak of {format_bytes(tracked.peak_before)} under the "
-                 "limit: it lives in pinned host memory between optimizer steps from now on and "
-                 f"comes back for each step (said once; {spelled('optimizer_state', 'gpu')} "
-                 "keeps it there).", given=self._said)
+        self._say_moved(optimizer, created, tracked.peak_before)
         return True
+
+    def _say_moved(self, optimizer, state: int, beside: int) -> None:
+        say_once("optimizer-state",
+                 f"lmsrt: {type(optimizer).__name__}'s state ({format_bytes(state)}) would not "
+                 f"fit beside {format_bytes(beside)} under the limit: it lives in pinned host "
+                 "memory between optimizer steps from now on and comes back for each step "
+                 f"(said once; {spelled('optimizer_state', 'gpu')} keeps it there).",
+                 given=self._said)
 
     # -- reads (Rules 3, 5) --------------------------------------------------------------------
 

@@ -8,13 +8,48 @@ import torch
 
 from .. import params
 
-__all__ = ["Parts"]
+__all__ = ["Parts", "may_cut", "run_closure", "state_to_come"]
 
 # torch.optim classes whose update of a parameter reads only that parameter, its gradient and
-# its own state: a step in parts does each parameter's arithmetic as the whole step does.
-_PER_PARAMETER = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
-                            torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
-                            torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta})
+# its own state, so that a step in parts does each parameter's arithmetic as the whole step
+# does; with the copies of a parameter its state holds, by the group's settings.
+_PER_PARAMETER: Dict[type, Callable[[dict], int]] = {
+    torch.optim.SGD: lambda group: 1 if group.get("momentum") else 0,
+    torch.optim.Adam: lambda group: 3 if group.get("amsgrad") else 2,
+    torch.optim.AdamW: lambda group: 3 if group.get("amsgrad") else 2,
+    torch.optim.Adagrad: lambda group: 1,
+    torch.optim.RMSprop: lambda group: (1 + bool(group.get("momentum"))
+                                        + bool(group.get("centered"))),
+    torch.optim.Adamax: lambda group: 2,
+    torch.optim.NAdam: lambda group: 2,
+    torch.optim.RAdam: lambda group: 2,
+    torch.optim.Adadelta: lambda group: 2,
+}
+
+
+def may_cut(optimizer) -> bool:
+    """Whether ``optimizer``'s step may run in parts (Rule 7)."""
+    return (type(optimizer) in _PER_PARAMETER and _only_lmsrt_hooks(optimizer)
+            and getattr(type(optimizer).step, "__wrapped__", None) is not None)
+
+
+def state_to_come(optimizer) -> Dict[int, int]:
+    """The bytes of state the first step of ``optimizer`` (one ``may_cut`` allows) will make,
+    by id of the parameters that have a gradient."""
+    copies = _PER_PARAMETER[type(optimizer)]
+    return {id(p): copies(group) * p.numel() * p.element_size()
+            for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+
+
+def run_closure(args: tuple, kwargs: dict) -> tuple:
+    """Run the step's closure now, as the step would (grad on), and give the step's (args,
+    kwargs) with one that returns what it returned."""
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is None:
+        return args, kwargs
+    with torch.enable_grad():
+        ran = _Ran(closure())
+    return _with_closure(args, kwargs, ran)
 
 
 class _Ran:
@@ -34,8 +69,9 @@ class Parts:
 
     Example::
 
-        parts = Parts.plan(optimizer, places, part_bytes=1 << 30)    # None: one part, or unsafe
-        args, kwargs = parts.begin(optimizer, args, kwargs)     # in the step's pre-hook
+        args, kwargs = run_closure(args, kwargs)            # in the step's pre-hook
+        parts = Parts.plan(optimizer, {id(p): 1 << 20 for p in ps}, part_bytes=1 << 30)
+        parts.begin(optimizer)                              # None: it takes one part
     """
 
     def __init__(self, parts: List[List[list]]):
@@ -45,16 +81,9 @@ class Parts:
         self.ahead = None
 
     @classmethod
-    def plan(cls, optimizer, places: Dict[tuple, object], part_bytes: int) -> Optional["Parts"]:
-        """Parts of about ``part_bytes`` of host state each (``places``: (id(param), key) ->
-        place), in the groups' order; None where one part holds it all or the step may not be
-        cut (Rule 7)."""
-        if (type(optimizer) not in _PER_PARAMETER or not _only_lmsrt_hooks(optimizer)
-                or getattr(type(optimizer).step, "__wrapped__", None) is None):
-            return None
-        per: Dict[int, int] = {}
-        for (pid, _), place in places.items():
-            per[pid] = per.get(pid, 0) + place.slot.nbytes
+    def plan(cls, optimizer, per: Dict[int, int], part_bytes: int) -> Optional["Parts"]:
+        """Parts of about ``part_bytes`` of state each (``per``: bytes by id of parameter), in
+        the groups' order; None where one part holds it all."""
         groups = optimizer.param_groups
         parts, part, size = [], [[] for _ in groups], 0
         for g, group in enumerate(groups):
@@ -68,19 +97,13 @@ class Parts:
         parts.append(part)
         return cls(parts) if len(parts) > 1 else None
 
-    def begin(self, optimizer, args: tuple, kwargs: dict) -> tuple:
-        """In the step's pre-hook: run the closure with the groups whole, make the rebuilds that
-        read the parameters (params.py, Rule 1: the pre-hook that makes them may come after
-        this one), and narrow the groups to the first part. The step's (args, kwargs)."""
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if closure is not None:
-            with torch.enable_grad():
-                ran = _Ran(closure())
-            args, kwargs = _with_closure(args, kwargs, ran)
+    def begin(self, optimizer) -> None:
+        """In the step's pre-hook, after the closure ran with the groups whole (``run_closure``):
+        make the rebuilds that read the parameters (params.py, Rule 1: the pre-hook that makes
+        them may come after this one), and narrow the groups to the first part."""
         params.before_step(optimizer)
         self.whole = [group["params"] for group in optimizer.param_groups]
         self.narrow(optimizer)
-        return args, kwargs
 
     def narrow(self, optimizer) -> None:
         for group, part in zip(optimizer.param_groups, self.parts[self.index]):
