@@ -110,11 +110,12 @@ class Diagnostics:
 
     def annotate_oom(self, exc: BaseException, where: str, *, config: LMSConfig, policy,
                      step: StepStats, allocated: int, peak: int, limit: int,
-                     largest: Tuple[int, int], host_refused: int) -> None:
+                     largest: Tuple[int, int], host_refused: int,
+                     optimizer_on_host: int = 0) -> None:
         """Add what lmsrt knows to an out-of-memory error raised while it is active, once: GPU
         use (``allocated`` now, ``peak`` this step, of ``limit``), the policy's level, what this
         step swapped and kept, its ``largest`` saved storage (bytes, save index), tensors the
-        host pool refused, and what to change."""
+        host pool refused, the optimizer state it keeps on the host, and what to change."""
         if getattr(exc, "_lmsrt_annotated", False):
             return
         exc._lmsrt_annotated = True
@@ -139,9 +140,13 @@ class Diagnostics:
                          "tensors stayed on the GPU.")
         lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KiB) so smaller tensors go too"
         if policy.swaps_everything() and config.min_bytes <= MiB:
+            state = ("what optimizer state is on the GPU." if optimizer_on_host else
+                     "optimizer state." if config.optimizer_state == "host" else
+                     "optimizer state, which can live in host memory between optimizer steps "
+                     f"from the first ({spelled('optimizer_state', 'host')}).")
             lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 "
                          "KiB): what is left is one layer's working set, parameters, gradients and "
-                         "optimizer state. Lower the batch size, checkpoint activations "
+                         f"{state} Lower the batch size, checkpoint activations "
                          "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
                          "layer.")
         else:

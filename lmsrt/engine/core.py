@@ -138,6 +138,7 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
             exc, where, config=self.config, policy=self.policy, step=self.step,
             allocated=device.memory_allocated(),
             peak=max(device.peak_allocated(), self.state.step_peak), limit=self.limit,
-            largest=self.state.largest, host_refused=self.host.refused)
+            largest=self.state.largest, host_refused=self.host.refused,
+            optimizer_on_host=self.optimizer_mover.figures()["optimizer_host_bytes"])
 
 

@@ -97,12 +97,14 @@ class Verdict:
     predicted_peak_bytes: int
     fits: bool
     move_bytes: int             # bytes LMS must keep in host memory at the peak; 0 if it fits
-    floor_bytes: int            # model state + largest layer (or the update): LMS cannot go lower
+    floor_bytes: int            # parameters, gradients and the largest layer (or two parts of
+                                # the optimizer's step): LMS cannot go lower
     possible: bool              # fits, or LMS can make it fit
     lms_kb: Optional[int]
     lms_frac: Optional[float]
     largest_layer: str
     script: str = "train.py"
+    state_moves_bytes: int = 0  # optimizer state that must live in host memory between steps
 
     def __str__(self) -> str:
         size, usable = format_bytes(self.gpu_size_bytes), self.gpu_size_bytes - self.headroom_bytes
@@ -117,15 +119,17 @@ class Verdict:
                 f"and fragmentation).")
         if not self.possible:
             return (f"{text}\n  Not even LMS can fit it: the floor is "
-                    f"{format_bytes(self.floor_bytes)} (parameters, gradients and optimizer "
-                    f"state, which LMS does not move, plus the working set of "
-                    f"{self.largest_layer} or the optimizer update's temporaries), or too few "
-                    f"saved tensors to move. Use a smaller "
+                    f"{format_bytes(self.floor_bytes)} (parameters and gradients, which LMS "
+                    f"does not move, plus the working set of {self.largest_layer} or two parts "
+                    f"of the optimizer's step), or too few saved tensors to move. Use a smaller "
                     f"batch or input, activation checkpointing, or a GPU with more than "
                     f"{format_bytes(self.floor_bytes + self.headroom_bytes)}.")
         lms, frac = OPTIONS["lms"].flag, OPTIONS["lms_frac"].flag
-        return (f"{text}\n  LMS must move {format_bytes(self.move_bytes)} of saved tensors to "
-                f"host memory. Start with:\n    lmsrt run {lms} {self.lms_kb} {frac} "
+        state = (f" Its optimizer state ({format_bytes(self.state_moves_bytes)}) must live in "
+                 f"host memory between steps, which {OPTIONS['optimizer_state'].flag} auto (the "
+                 "default) does." if self.state_moves_bytes else "")
+        return (f"{text}\n  LMS must move {format_bytes(self.move_bytes)} to host memory.{state} "
+                f"Start with:\n    lmsrt run {lms} {self.lms_kb} {frac} "
                 f"{self.lms_frac:.2f} {self.script}   (lmsrt.LMS(lms={self.lms_kb}, "
                 f"lms_frac={self.lms_frac:.2f}))")
 
@@ -254,17 +258,33 @@ class MemoryReport:
         usable, peak = size - room, self.predicted_peak_bytes
         layer = self.largest_layer
         layer_need = layer.working_set_bytes - layer.param_bytes - layer.grad_bytes
-        # LMS moves saved tensors only: model state, one layer's backward and the optimizer
-        # update stay on the GPU whatever it does.
-        floor = max(self.state_bytes + layer_need, self.optimizer_step_bytes)
+        # Parameters, gradients and one layer's backward stay on the GPU whatever LMS does; the
+        # optimizer state can live on the host, its step run in parts of a sixteenth of the
+        # size, two of them (with their share of the update's temporaries) on the GPU at once
+        # (movers/optimizer.py, NOTE [ Optimizer state on the host ]).
+        model = self.param_bytes + self.grad_bytes
+        state = self.optimizer_bytes
+        in_step = min(state, 2 * (size >> 4))
+        temporaries = self.update_transient_bytes
+        if state:
+            temporaries = temporaries * in_step // state
+        floor = max(model + layer_need, model + in_step + temporaries)
         move = max(0, peak - usable)
-        lms_kb = _choose_lms_kb(self.saved_sizes, move) if move else None
+        # Where the state on the GPU leaves no room for a layer's backward or for the whole
+        # update, it moves; the saved tensors make up the rest at the turn.
+        moves_state = state if move and (model + state + layer_need > usable
+                                         or self.optimizer_step_bytes > usable) else 0
+        if moves_state:
+            move = moves_state + max(0, self.turn_bytes - moves_state - usable)
+        saved_move = move - moves_state
+        lms_kb = (_choose_lms_kb(self.saved_sizes, saved_move) if saved_move
+                  else _LMS_KB if move else None)
         possible = move == 0 or (floor <= usable and lms_kb is not None)
         frac = None
         if move and possible:
             frac = max(0.0, math.floor((usable - self.grad_bytes - layer_need) / size * 100) / 100)
         return Verdict(size, room, peak, move == 0, move, floor, possible, lms_kb, frac,
-                       f"{layer.name} ({layer.type})", self.script)
+                       f"{layer.name} ({layer.type})", self.script, moves_state)
 
     def format(self) -> str:
         """The report as text: the table, the totals, the peaks and the verdict."""

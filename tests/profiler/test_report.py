@@ -20,7 +20,7 @@ from lmsrt._cli import main
 from lmsrt.device import SimulatedDevice
 from lmsrt.profiler.recorder import OUTSIDE, StepRecorder
 from lmsrt.profiler.report import build_report, headroom
-from lmsrt.units import GiB, format_bytes
+from lmsrt.units import GiB, MiB, format_bytes
 
 F32 = 4
 LINEAR_PARAMS = (64 * 64 + 64) * F32
@@ -152,6 +152,25 @@ def test_verdict_fits_moves_or_cannot():
     hopeless = report.verdict(0.5 * tight.floor_bytes / GiB)
     assert not hopeless.fits and not hopeless.possible and hopeless.lms_frac is None
     assert "Not even LMS" in str(hopeless)
+
+
+def test_optimizer_state_that_leaves_no_room_moves_in_the_verdict():
+    """AdamW's state (128 MiB) beside 128 MiB of parameters and gradients: on a GPU too small
+    for its update whole, the state lives on the host and the update runs in parts, so the
+    verdict says so; on one too small for the parameters, gradients and two parts of the update,
+    not even that."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.GELU())
+                                for _ in range(4)])
+        x = torch.randn(64, 2048)
+    report = lmsrt.memory_report(model, x, optimizer=torch.optim.AdamW(model.parameters()))
+    assert report.optimizer_bytes > 120 * MiB and report.optimizer_step_bytes > 300 * MiB
+    v = report.verdict(192 / 1024)
+    assert not v.fits and v.possible and v.state_moves_bytes == report.optimizer_bytes
+    assert v.move_bytes == report.optimizer_bytes            # the saved tensors fit beside
+    assert "optimizer state" in str(v) and "--optimizer-state" in str(v)
+    assert report.param_bytes + report.grad_bytes < v.floor_bytes < report.optimizer_step_bytes
+    assert not report.verdict(144 / 1024).possible
 
 
 def test_lms_threshold_is_1000_kb_when_big_tensors_suffice():
