@@ -286,6 +286,38 @@ def test_auto_runs_a_first_step_that_would_not_fit_whole_in_parts():
     assert lms.stats()["total"]["optimizer_in_bytes"] == 3 * state
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch's own, from dynamo
+def test_a_compiled_optimizer_step_moves_its_state_exactly():
+    """A step compiled with torch.compile runs lmsrt's hooks and state reads eagerly, between
+    its graphs, and is not cut in parts (they would run eagerly, whose arithmetic is not the
+    compiled step's): exact under any limit."""
+    import torch._dynamo
+
+    def run(lms, steps=4):
+        torch._dynamo.reset()
+        model = _model(torch.device("cpu"), 256)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = torch.compile(opt.step, backend="eager")
+        x = torch.randn(32, 64)
+        seen = []
+        for _ in range(steps):
+            opt.zero_grad()
+            with lms or contextlib.nullcontext():
+                loss = model(x).square().mean()
+            loss.backward()
+            step()
+            seen.append([p.detach().clone() for p in model.parameters()])
+        return seen, opt
+
+    ref, _ = run(None)
+    for limit in (1 << 30, 16 << 20):                       # one part; parts of 1 MiB
+        with _limited("sim", limit) as lms:
+            got, opt = run(lms)
+            _assert_same_params(ref, got)
+            assert lms.stats()["last_step"]["optimizer_host_bytes"] > 3 << 20
+    torch._dynamo.reset()
+
+
 def test_a_users_step_hook_sees_the_whole_step():
     """Rule 7: with a hook of the user's (an average of the weights, updated after each step)
     the step is not cut, so the hook sees every parameter updated; exact, with the whole state

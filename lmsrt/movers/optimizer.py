@@ -35,13 +35,14 @@ optimizer steps and brings them back for the step:
   Rule 7 (in parts; streamed.py). Where the state is on the host, a step of a torch.optim class
     whose update is per parameter (SGD, Adam, AdamW, ...) runs in parts of about ``part_bytes``
     of state each (a sixteenth of the limit), so the step holds two parts (the one running and
-    the next coming in), not all of it: the parameter groups are
-    narrowed to a part's parameters, and the next part's state comes in while a part runs. Only
-    where no step hooks but lmsrt's are set (a user's hook would see a part, not the step) and
-    the class's own ``step`` is torch's. A closure runs first, in the pre-hook, with the groups
-    whole (it may zero their gradients), as the step would run it; then part 1 runs as the
-    step, and the rest in the post-hook, each with the step's arguments. Per-parameter updates
-    make the parts' arithmetic the step's, bit for bit.
+    the next coming in), not all of it: the parameter groups are narrowed to a part's
+    parameters, and the next part's state comes in while a part runs. Only where no step hooks
+    but lmsrt's are set (a user's hook would see a part, not the step), the class's own
+    ``step`` is torch's, and not under torch.compile (the parts after the first would run
+    eagerly, whose arithmetic is not the compiled graph's). A closure runs first, in the
+    pre-hook, with the groups whole (it may zero their gradients), as the step would run it;
+    then part 1 runs as the step, and the rest in the post-hook, each with the step's
+    arguments. Per-parameter updates make the parts' arithmetic the step's, bit for bit.
 
 Exact: the optimizer's arithmetic is the same, on the same bytes.
 """
@@ -104,6 +105,7 @@ class _HostState(collections.defaultdict):
         self._mover = weakref.ref(mover)
         self._optimizer = weakref.ref(optimizer)
 
+    @torch.compiler.disable        # a compiled step reads through here eagerly: no guards on it
     def _touch(self) -> None:
         mover, optimizer = self._mover(), self._optimizer()
         if mover is not None and optimizer is not None:
@@ -163,14 +165,15 @@ class OptimizerMover:
 
     # -- the step's hooks ----------------------------------------------------------------------
 
-    def before_step(self, optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
+    def before_step(self, optimizer, args: tuple, kwargs: dict,
+                    compiled: bool = False) -> Optional[tuple]:
         if self.mode == "gpu":
             return None
         tracked = self._tracked.get(optimizer)
         if tracked is None:
             tracked = self._tracked[optimizer] = _Tracked()
         tracked.in_step, tracked.fetched, tracked.parts = True, False, None
-        cut = may_cut(optimizer)
+        cut = may_cut(optimizer) and not compiled
         if tracked.moved:
             if not cut:
                 return None
@@ -418,10 +421,18 @@ def _in_groups(optimizer) -> set:
 
 
 def _pre(optimizer, args, kwargs) -> Optional[tuple]:
+    # Traced in a step compiled with torch.compile, which runs ``_pre_eager`` eagerly, between
+    # its graphs: the step is then not cut (Rule 7), its parts would run eagerly.
+    return _pre_eager(optimizer, args, kwargs, torch.compiler.is_compiling())
+
+
+@torch.compiler.disable
+def _pre_eager(optimizer, args, kwargs, compiled: bool) -> Optional[tuple]:
     mover = _mover_of(optimizer)
-    return None if mover is None else mover.before_step(optimizer, args, kwargs)
+    return None if mover is None else mover.before_step(optimizer, args, kwargs, compiled)
 
 
+@torch.compiler.disable
 def _post(optimizer, args, kwargs) -> None:
     mover = _mover_of(optimizer)
     if mover is not None:
