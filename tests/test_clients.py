@@ -53,8 +53,12 @@ def _client(name: str):
 
 def _forced() -> lmsrt.LMS:
     """An LMS that takes every eligible tensor off the device and recomputes every region it
-    may: a link of 1 byte/s hides no copy, and any excess is worth it (tests/test_regions.py)."""
-    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device="sim")
+    may: a link of 1 byte/s hides no copy, and any excess is worth it (tests/test_regions.py);
+    and keeps the optimizer's state on the host, its step in parts of 128 KiB (a sixteenth of a
+    simulated device of 2 MiB)."""
+    from lmsrt.device import SimulatedDevice
+    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device=SimulatedDevice(capacity=2 << 20),
+                    optimizer_state="host")
     lms._regions.bandwidth, lms._regions.worth = 1.0, 0
     return lms
 
@@ -82,6 +86,7 @@ def _check(name: str, argv, forced: bool) -> lmsrt.LMS:
     assert total["alloc_failures"] == 0
     if forced:
         assert total["out_bytes"] + total["recipe_bytes"] > 0, "lmsrt moved nothing"
+        assert total["optimizer_out_bytes"] > 0 or "--fsdp2-offload" in argv, "state stayed"
     return lms
 
 
