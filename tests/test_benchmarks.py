@@ -126,3 +126,17 @@ def test_checkpointed_workloads_step_on_cpu(name, size):
         loss.backward()
         grads.append([p.grad for p in work.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_optimizer_step_benchmark_runs_tiny_and_is_exact(tmp_path):
+    """benchmarks/optimizer_step.py on the simulated device: the step in host memory, in parts,
+    brought its state in and left the parameters equal to torch's own step."""
+    import json
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "optimizer_step.py"), "--tiny",
+                          "--steps", "3", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "optimizer_step.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["gpu", "host"]
+    assert rows[1]["exact"] is True and rows[1]["in_bytes"] == rows[1]["state_bytes"] > 0
+    assert "| host |" in out.stdout
