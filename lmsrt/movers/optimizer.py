@@ -20,8 +20,9 @@ optimizer steps and brings them back for the step:
     have a slot of the pool for the run; the state dict then holds a CPU tensor over that slot.
   Rule 3 (in). Inside a step (between torch.optim's global step pre- and post-hooks) the first
     read of ``optimizer.state`` brings all of it back: where forward and backward run inside the
-    step (a closure), after them. The copies in wait for the last write-back (one D2H stream, so
-    its last event covers every earlier copy), and the compute stream waits for them.
+    step (a closure), after them. The copies in wait for the last write-back before the step
+    began (one D2H stream, so its last event covers every earlier copy; the step's own
+    write-backs are of other places, Rule 7), and the compute stream waits for them.
   Rule 4 (out). At the step's post-hook each state tensor on the GPU is copied out once the
     step's kernels are queued (NOTE [ Stream lifetimes ], Rule 1) and let go: its block is not
     reused before the copy has run (``Device.free_after``, Rule 2). The dict then holds the host
@@ -34,8 +35,9 @@ optimizer steps and brings them back for the step:
     it; if it does not fit there, it stays on the CPU, said once.
   Rule 7 (in parts; streamed.py). Where the state is on the host, a step of a torch.optim class
     whose update is per parameter (SGD, Adam, AdamW, ...) runs in parts of about ``part_bytes``
-    of state each (a sixteenth of the limit), so the step holds two parts (the one running and
-    the next coming in), not all of it: the parameter groups are narrowed to a part's
+    of state each (a sixteenth of the limit), so the step holds about three parts (the one
+    running, the next coming in, the last going out: a part's copies in wait for the write-back
+    of the part two before it), not all of it: the parameter groups are narrowed to a part's
     parameters, and the next part's state comes in while a part runs. Only where no step hooks
     but lmsrt's are set (a user's hook would see a part, not the step), the class's own
     ``step`` is torch's, and not under torch.compile (the parts after the first would run
@@ -154,6 +156,7 @@ class OptimizerMover:
         self.part_bytes = part_bytes  # of state per part of a streamed step (Rule 7)
         self._tracked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._written = None          # the last write-back's event (Rules 3, 5)
+        self._written_before = None   # and the last one before the step in flight began
         self._said: set = set()
         self.in_bytes = self.out_bytes = 0       # this step's
         self.closed = False
@@ -173,6 +176,7 @@ class OptimizerMover:
         if tracked is None:
             tracked = self._tracked[optimizer] = _Tracked()
         tracked.in_step, tracked.fetched, tracked.parts = True, False, None
+        self._written_before = self._written
         cut = may_cut(optimizer) and not compiled
         if tracked.moved:
             if not cut:
@@ -230,6 +234,7 @@ class OptimizerMover:
     def _next_part(self, optimizer, tracked: _Tracked, parts: "Parts") -> None:
         """Between two parts (Rule 7): the last one's state out, the next one's in."""
         self._write_back(optimizer, tracked)
+        parts.written.append(self._written)
         parts.narrow(optimizer)
         tracked.fetched = False
         self._fetch(optimizer, tracked, parts)
@@ -274,21 +279,24 @@ class OptimizerMover:
         tracked.fetched = True
         compute = self.device.current_stream()
         # What is not on its way already (a part fetched ahead is on the device in the dict).
-        waits = [self._bring(optimizer, tracked, _in_groups(optimizer), compute)]
+        # A step's parts read places no write of the same step touches: the copies in wait
+        # for the write-backs of the steps before only, and run beside this step's.
+        after = self._written_before
+        waits = [self._bring(optimizer, tracked, _in_groups(optimizer), compute, after)]
         if parts is not None:
             waits.append(parts.ahead)
             following = parts.following()
-            parts.ahead = (self._bring(optimizer, tracked, following, compute)
-                           if following else None)
+            parts.ahead = (self._bring(optimizer, tracked, following, compute,
+                                       parts.paced_by(after)) if following else None)
         for done in waits:
             if done is not None:
                 done.wait(compute)
 
-    def _bring(self, optimizer, tracked: _Tracked, ids: set, compute):
-        """Start the copies in of the host tensors of the parameters ``ids``; the last one's
-        event, or None."""
-        if self._written is not None:
-            self._written.wait(self.copies.h2d)
+    def _bring(self, optimizer, tracked: _Tracked, ids: set, compute, after):
+        """Start the copies in of the host tensors of the parameters ``ids``, once the write
+        event ``after`` (if any) has passed; the last one's event, or None."""
+        if after is not None:
+            after.wait(self.copies.h2d)
         done = None
         for _, p_state, key, place in self._on_host(optimizer, tracked, ids):
             block = self.device.empty(place.slot.nbytes)
@@ -389,7 +397,7 @@ class OptimizerMover:
                 continue
             try:
                 done = self._bring(optimizer, tracked, _in_groups(optimizer),
-                                   self.device.current_stream())
+                                   self.device.current_stream(), self._written)
                 if done is not None:
                     done.wait(self.device.current_stream())
             except torch.OutOfMemoryError:

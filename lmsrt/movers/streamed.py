@@ -65,7 +65,7 @@ class _Ran:
 class Parts:
     """One step's parts: per part, the parameters of each group in it (``parts[i][g]``).
     ``index`` is the part running; ``ahead`` the event of the next part's copies in, if under
-    way.
+    way; ``written`` the events of the parts' write-backs.
 
     Example::
 
@@ -79,6 +79,7 @@ class Parts:
         self.index = 0
         self.whole: List[list] = []         # each group's own parameter list
         self.ahead = None
+        self.written: list = []             # the write-back event of each part that ran
 
     @classmethod
     def plan(cls, optimizer, per: Dict[int, int], part_bytes: int) -> Optional["Parts"]:
@@ -108,6 +109,13 @@ class Parts:
     def narrow(self, optimizer) -> None:
         for group, part in zip(optimizer.param_groups, self.parts[self.index]):
             group["params"] = part
+
+    def paced_by(self, before):
+        """What the copies in of the part after the one running wait for: the write-back of
+        the part two before the one running (its blocks are let go as it lands, so that about
+        three parts are held: one going out, one running, one coming in), else ``before``, the
+        last write-back before the step."""
+        return self.written[-2] if len(self.written) >= 2 else before
 
     def following(self) -> set:
         """The parameters of the part after the one running (an empty set after the last)."""

@@ -97,8 +97,8 @@ class Verdict:
     predicted_peak_bytes: int
     fits: bool
     move_bytes: int             # bytes LMS must keep in host memory at the peak; 0 if it fits
-    floor_bytes: int            # parameters, gradients and the largest layer (or two parts of
-                                # the optimizer's step): LMS cannot go lower
+    floor_bytes: int            # parameters, gradients and the largest layer (or three parts
+                                # of the optimizer's step): LMS cannot go lower
     possible: bool              # fits, or LMS can make it fit
     lms_kb: Optional[int]
     lms_frac: Optional[float]
@@ -120,7 +120,7 @@ class Verdict:
         if not self.possible:
             return (f"{text}\n  Not even LMS can fit it: the floor is "
                     f"{format_bytes(self.floor_bytes)} (parameters and gradients, which LMS "
-                    f"does not move, plus the working set of {self.largest_layer} or two parts "
+                    f"does not move, plus the working set of {self.largest_layer} or three parts "
                     f"of the optimizer's step), or too few saved tensors to move. Use a smaller "
                     f"batch or input, activation checkpointing, or a GPU with more than "
                     f"{format_bytes(self.floor_bytes + self.headroom_bytes)}.")
@@ -260,11 +260,11 @@ class MemoryReport:
         layer_need = layer.working_set_bytes - layer.param_bytes - layer.grad_bytes
         # Parameters, gradients and one layer's backward stay on the GPU whatever LMS does; the
         # optimizer state can live on the host, its step run in parts of a sixteenth of the
-        # size, two of them (with their share of the update's temporaries) on the GPU at once
+        # size, three of them (with their share of the update's temporaries) on the GPU at once
         # (movers/optimizer.py, NOTE [ Optimizer state on the host ]).
         model = self.param_bytes + self.grad_bytes
         state = self.optimizer_bytes
-        in_step = min(state, 2 * (size >> 4))
+        in_step = min(state, 3 * (size >> 4))
         temporaries = self.update_transient_bytes
         if state:
             temporaries = temporaries * in_step // state
