@@ -42,7 +42,8 @@ def step_rows(stats: Dict[str, object]) -> List[Dict[str, object]]:
             regions=s["recomputed_regions"], recomputed=s["recomputed_bytes"],
             rerun=s.get("recompute_ms", 0.0) + s.get("rebuild_ms", 0.0),
             waited=s.get("swapout_wait_ms", 0.0) + s["swapin_wait_ms"],
-            retries=s["alloc_retries"], peak=s["gpu_peak_bytes"], note=s.get("policy_note", "")))
+            retries=s["alloc_retries"], peak=s["gpu_peak_bytes"], note=s.get("policy_note", ""),
+            state=s.get("optimizer_in_bytes", 0)))
     return rows
 
 
@@ -53,7 +54,11 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
         rows = rows[-last:]
     if not rows:
         return "no finished step in this stats file (a run of one step, or none)"
-    table = [list(_COLUMNS)]
+    # The optimizer state's bytes brought in for the step (and written back after it), where
+    # any step moved it (movers/optimizer.py).
+    state = any(r["state"] for r in rows)
+    columns = list(_COLUMNS[:-2]) + ["state in"] * state + list(_COLUMNS[-2:])
+    table = [columns]
     said = None
     for r in rows:
         note = r["note"] if r["note"] != said else ""
@@ -63,9 +68,9 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
             "-" if r["cpu"] is None else f"{r['cpu']:.3f}",
             format_bytes(r["out"]), format_bytes(r["into"]), format_bytes(r["rebuilt"]),
             f"{r['regions']} ({format_bytes(r['recomputed'])})" if r["regions"] else "0",
-            f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"]),
-            format_bytes(r["peak"]), note])
-    widths = [max(len(row[c]) for row in table) for c in range(len(_COLUMNS) - 1)]
+            f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"])]
+            + [format_bytes(r["state"])] * state + [format_bytes(r["peak"]), note])
+    widths = [max(len(row[c]) for row in table) for c in range(len(columns) - 1)]
     lines = ["  ".join([cell.rjust(w) if c != 1 else cell.ljust(w)
                         for c, (cell, w) in enumerate(zip(row, widths))] + [row[-1]]).rstrip()
              for row in table]
@@ -82,7 +87,9 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
                 "followed the plan; CPU: seconds of the process's threads in the step (near "
                 "its time, the host is the limit); rerun: GPU time of the regions recomputed "
                 "and the tensors rebuilt in backward; waited: GPU time forward and backward "
-                "stood still for copies")
+                "stood still for copies" + ("; state in: optimizer state brought in for the "
+                                            "optimizer's step, and written back after it"
+                                            if state else ""))
     return "\n".join(lines + [""] + tail)
 
 

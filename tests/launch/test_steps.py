@@ -50,6 +50,18 @@ def test_last_n_steps_and_the_changes_of_plan_said_once(stats_file):
     assert sum("offloads 2 of 8" in line for line in body) == 1     # said where it changed
 
 
+def test_optimizer_state_brought_in_is_a_column_where_it_moved(stats_file):
+    stats = json.loads(stats_file.read_text())
+    header = format_steps(stats).splitlines()[0]
+    assert "state in" not in header                       # the MLP script's state stayed
+    for s in stats["history"]:
+        s["optimizer_in_bytes"] = 3 << 20 if s["step"] > 1 else 0
+    text = format_steps(stats)
+    lines = text.splitlines()
+    assert "state in" in lines[0] and "state in: optimizer state" in text
+    assert "0 B" in lines[1] and all("3.00 MiB" in line for line in lines[2:len(stats["history"])])
+
+
 def test_what_the_learning_steps_cost_is_said():
     history = [dict(step=i, mode="reactive" if i in (1, 2, 4) else "plan", out_bytes=0,
                     in_bytes=0, recipe_bytes=0, recomputed_regions=0, recomputed_bytes=0,
