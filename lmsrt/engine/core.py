@@ -99,7 +99,8 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         self.optimizer_mover = OptimizerMover(
             device, self._copies, self.host, self._lock, min_bytes=self.min_bytes,
             mode=config.optimizer_state, step_peak=lambda: _step_peak(me()),
-            fits=self.policy.step_fits, part_bytes=max(self.limit >> 4, 64 << 10))
+            fits=self.policy.step_fits, room=self.policy.room_beside,
+            part_bytes=max(self.limit >> 4, 64 << 10))
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
         self._deferred: collections.deque = collections.deque()   # waiting for a pin to copy out

@@ -5,16 +5,19 @@ AdamW's two moments take twice the parameters' bytes and sit on the GPU through 
 and backward, where nothing reads them. The mover keeps them in the engine's pinned pool between
 optimizer steps and brings them back for the step:
 
-  Rule 1 (when). ``optimizer_state="host"``: from each optimizer's first step (that step made
-    in parts where Rule 7 allows, else moved at its end). ``"gpu"``: never. ``"auto"`` (the
-    default), at the step that makes an optimizer's state: where Rule 7 allows parts, once the
-    step's closure ran, if the state it will make (the class's copies of each parameter that
-    has a gradient) and the update's temporaries (a copy of those parameters) do not fit beside
-    what is allocated (``policy.step_fits``), that step makes it on the host, in parts. Else at
-    its end, if the step's peak before the optimizer ran plus the state it made does not fit:
-    the next forward would hold the state on top of what just fitted, and a learning step's
-    peak is the least the engine can hold. Once moved, an optimizer's state stays on the host
-    for the run.
+  Rule 1 (when, and how much). ``optimizer_state="host"``: all of it, from each optimizer's
+    first step (that step made in parts where Rule 7 allows, else moved at its end). ``"gpu"``:
+    never. ``"auto"`` (the default), at the step that makes an optimizer's state: where Rule 7
+    allows parts, once the step's closure ran, if the state it will make (the class's copies of
+    each parameter that has a gradient) and the update's temporaries (a copy of those
+    parameters) do not fit beside what is allocated (``policy.step_fits``), that step makes it
+    on the host, in parts. Else at its end, if the step's peak before the optimizer ran plus
+    the state it made does not fit: the next forward would hold the state on top of what just
+    fitted, and a learning step's peak is the least the engine can hold. Then only what must
+    leave leaves: the state of the parameters with the least of it, up to what fits beside
+    that peak with a margin (``policy.room_beside``; after a step in parts, also beside what
+    the step began with and its next parts), stays on the device for the run, the rest moves
+    each step. The choice holds for the run.
   Rule 2 (what). Each tensor of the state on this device, of ``lms`` KiB or more, that is its
     storage's whole (``exp_avg``, ``momentum_buffer``; not Adam's ``step`` scalar). Its bytes
     have a slot of the pool for the run; the state dict then holds a CPU tensor over that slot.
@@ -85,8 +88,8 @@ class _Place:
 class _Tracked:
     """One optimizer as the mover sees it."""
 
-    __slots__ = ("places", "moved", "fetched", "in_step", "created", "peak_before", "parts",
-                 "__weakref__")
+    __slots__ = ("places", "moved", "fetched", "in_step", "created", "peak_before", "at_step",
+                 "parts", "resident", "__weakref__")
 
     def __init__(self):
         self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
@@ -95,7 +98,9 @@ class _Tracked:
         self.in_step = False        # between its step's pre- and post-hook
         self.created = False        # this step found no state of it on the device
         self.peak_before = 0        # the engine's step peak when its step began
+        self.at_step = 0            # allocated then, after its closure
         self.parts: Optional[Parts] = None     # this step's parts, when streamed (Rule 7)
+        self.resident: set = set()  # ids of parameters whose state stays on the device (Rule 1)
 
 
 class _HostState(collections.defaultdict):
@@ -142,17 +147,18 @@ class OptimizerMover:
 
         mover = OptimizerMover(device, copies, host, threading.RLock(), min_bytes=1 << 20,
                                mode="host", step_peak=lambda: 0, fits=lambda peak: True,
-                               part_bytes=1 << 30)
+                               room=lambda peak: 0, part_bytes=1 << 30)
         optimizer.step()        # from the end of this step its state lives on the host
     """
 
     def __init__(self, device, copies, host, lock, *, min_bytes: int, mode: str,
-                 step_peak: Callable[[], int], fits: Callable[[int], bool], part_bytes: int):
+                 step_peak: Callable[[], int], fits: Callable[[int], bool],
+                 room: Callable[[int], int], part_bytes: int):
         if mode not in MODES:
             raise ValueError(f"optimizer_state must be one of {', '.join(MODES)}, got {mode!r}")
         self.device, self.copies, self.host, self.lock = device, copies, host, lock
         self.min_bytes, self.mode = min_bytes, mode
-        self.step_peak, self.fits = step_peak, fits
+        self.step_peak, self.fits, self.room = step_peak, fits, room
         self.part_bytes = part_bytes  # of state per part of a streamed step (Rule 7)
         self._tracked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._written = None          # the last write-back's event (Rules 3, 5)
@@ -175,6 +181,8 @@ class OptimizerMover:
         tracked = self._tracked.get(optimizer)
         if tracked is None:
             tracked = self._tracked[optimizer] = _Tracked()
+            # An optimizer dropped gives its host places back.
+            weakref.finalize(optimizer, _forget, weakref.ref(self), tracked)
         tracked.in_step, tracked.fetched, tracked.parts = True, False, None
         self._written_before = self._written
         cut = may_cut(optimizer) and not compiled
@@ -192,12 +200,11 @@ class OptimizerMover:
                 return None
             args, kwargs = run_closure(args, kwargs)     # what it holds counts (Rule 1)
             tracked.peak_before = self.step_peak()
+            tracked.at_step = self.device.memory_allocated()
             per = state_to_come(optimizer)
             if self.mode == "auto" and self._fits_whole(optimizer, per):
                 return args, kwargs
             tracked.moved = True
-            if self.mode == "auto":
-                self._say_moved(optimizer, sum(per.values()), self.device.memory_allocated())
         parts = Parts.plan(optimizer, per, self.part_bytes)          # Rule 7
         if parts is not None:
             parts.begin(optimizer)
@@ -216,10 +223,17 @@ class OptimizerMover:
         if tracked is None or not tracked.in_step:
             return                  # its pre-hook ran before this mover was made
         tracked.in_step = False
+        first = not tracked.moved or tracked.created
         if not tracked.moved and not self._should_move(optimizer, tracked):
             return
         tracked.moved = True
         parts, tracked.parts = tracked.parts, None
+        # What may stay on the device, chosen where all of the state the step made is at hand:
+        # on the device before its write-back, or on the host after a step in parts.
+        keep = first and tracked.created and self.mode == "auto"
+        if keep and parts is None:
+            self._keep_resident(optimizer, tracked, False)
+        tracked.created = False
         with self.lock:
             self._write_back(optimizer, tracked)
             if parts is not None:
@@ -229,6 +243,8 @@ class OptimizerMover:
                     self._write_back(optimizer, tracked)        # the last part's
                 finally:
                     parts.end(optimizer)
+                if keep:
+                    self._keep_resident(optimizer, tracked, True)
             self._sweep(optimizer, tracked)
 
     def _next_part(self, optimizer, tracked: _Tracked, parts: "Parts") -> None:
@@ -240,24 +256,41 @@ class OptimizerMover:
         self._fetch(optimizer, tracked, parts)
 
     def _should_move(self, optimizer, tracked: _Tracked) -> bool:
-        """Rule 1."""
+        """Rule 1, at the end of the step that made the state on the device."""
         if self.mode == "host":
             return True
         if not tracked.created:
             return False
         created = sum(t.untyped_storage().nbytes()
                       for _, _, _, t in self._on_device(optimizer, tracked))
-        if not created or self.fits(tracked.peak_before + created):
-            return False
-        self._say_moved(optimizer, created, tracked.peak_before)
-        return True
+        return bool(created) and not self.fits(tracked.peak_before + created)
 
-    def _say_moved(self, optimizer, state: int, beside: int) -> None:
+    def _keep_resident(self, optimizer, tracked: _Tracked, in_parts: bool) -> None:
+        """Rule 1: of the state the step made, as much as fits beside the step's peak before it
+        stays on the device (the smallest tensors' first); the rest moves. Where the step ran in
+        parts, the next step's parts and the state kept must fit beside what the step began
+        with too."""
+        keep = self.room(tracked.peak_before)
+        if in_parts:
+            keep = min(keep, self.room(tracked.at_step + 4 * self.part_bytes))
+        sizes: Dict[int, int] = {}
+        for p, _, _, t in self._on_device(optimizer, tracked):
+            sizes[id(p)] = sizes.get(id(p), 0) + t.untyped_storage().nbytes()
+        for where, place in tracked.places.items():
+            sizes[where[0]] = sizes.get(where[0], 0) + place.slot.nbytes
+        kept = 0
+        for pid, nbytes in sorted(sizes.items(), key=lambda item: item[1]):
+            if kept + nbytes > keep:
+                break
+            tracked.resident.add(pid)
+            kept += nbytes
+        total = sum(sizes.values())
         say_once("optimizer-state",
-                 f"lmsrt: {type(optimizer).__name__}'s state ({format_bytes(state)}) would not "
-                 f"fit beside {format_bytes(beside)} under the limit: it lives in pinned host "
-                 "memory between optimizer steps from now on and comes back for each step "
-                 f"(said once; {spelled('optimizer_state', 'gpu')} keeps it there).",
+                 f"lmsrt: {type(optimizer).__name__}'s state ({format_bytes(total)}) would not "
+                 f"fit beside {format_bytes(tracked.peak_before)} under the limit: "
+                 f"{format_bytes(total - kept)} of it lives in pinned host memory between "
+                 "optimizer steps from now on and comes back for each step (said once; "
+                 f"{spelled('optimizer_state', 'gpu')} keeps it all on the GPU).",
                  given=self._said)
 
     # -- reads (Rules 3, 5) --------------------------------------------------------------------
@@ -311,8 +344,8 @@ class OptimizerMover:
         if not isinstance(optimizer.state, _HostState) or optimizer.state._mover() is not self:
             optimizer.state = _HostState(self, optimizer, optimizer.state)   # (a new dict)
         compute = self.device.current_stream()
-        for p, p_state, key, t in list(self._on_device(optimizer, tracked,
-                                                       _in_groups(optimizer))):
+        moving = _in_groups(optimizer) - tracked.resident
+        for p, p_state, key, t in list(self._on_device(optimizer, tracked, moving)):
             where = (id(p), key)
             nbytes = t.untyped_storage().nbytes()
             place = tracked.places.get(where)
@@ -422,6 +455,15 @@ def _mover_of(optimizer) -> "OptimizerMover | None":
         return owner
     _movers[:] = [ref for ref in _movers if ref() is not None and not ref().closed]
     return _movers[-1]() if _movers else None
+
+
+def _forget(mover_ref, tracked: _Tracked) -> None:
+    mover = mover_ref()
+    if mover is not None:
+        with mover.lock:
+            for place in tracked.places.values():
+                mover.host.free(place.slot)
+            tracked.places.clear()
 
 
 def _in_groups(optimizer) -> set:

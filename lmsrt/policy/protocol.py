@@ -53,6 +53,7 @@ class Policy(Protocol):
     def may_keep_deferred(self, use: int) -> bool: ...
     def check_fits(self, use: int) -> bool: ...
     def step_fits(self, peak: int) -> bool: ...
+    def room_beside(self, peak: int) -> int: ...
 
     # -- what to fetch next, and how far ahead ------------------------------------------------
     def fetch_to(self, plan: OffloadPlan, j: int) -> int: ...
@@ -113,3 +114,9 @@ class LimitShares:
         room beside what is allocated; movers/optimizer.py asks it of a step with its optimizer
         state added)."""
         return peak <= self.limit - (self.limit >> 4)
+
+    def room_beside(self, peak: int) -> int:
+        """Bytes a step peaking at ``peak`` may add and still fit with a margin (1/32 of the
+        limit beyond ``step_fits``' sixteenth): what optimizer state may stay on the GPU once
+        some must leave (movers/optimizer.py)."""
+        return max(0, self.limit - (self.limit >> 4) - (self.limit >> 5) - peak)
