@@ -17,7 +17,6 @@ optimizer steps on the CPU. (Its arithmetic is not the plain run's: its optimize
 CPU.)
 """
 import argparse
-import os
 
 import torch
 from common import add_flags, cap_gpu, device, finish, llama, maybe
@@ -29,9 +28,10 @@ def _one_process_group(dev: torch.device) -> None:
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29512")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    # An in-process store: no port to take, so runs beside each other (tests under xdist)
+    # cannot collide.
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
 
 
 def shard_offloaded(model, dev: torch.device):

@@ -13,11 +13,14 @@ optimizer steps and brings them back for the step:
     parameters) do not fit beside what is allocated (``policy.step_fits``), that step makes it
     on the host, in parts. Else at its end, if the step's peak before the optimizer ran plus
     the state it made does not fit: the next forward would hold the state on top of what just
-    fitted, and a learning step's peak is the least the engine can hold. Then only what must
-    leave leaves: the state of the parameters with the least of it, up to what fits beside
-    that peak with a margin (``policy.room_beside``; after a step in parts, also beside what
-    the step began with and its next parts), stays on the device for the run, the rest moves
-    each step. The choice holds for the run.
+    fitted, and a learning step's peak is the least the engine can hold. State found on the
+    device at an optimizer's first step (loaded to resume a run) is judged as if that step had
+    made it (its bytes taken off the peak they were in); where the step would not fit whole, it
+    goes out before the step. Then only what must leave leaves: the state of the parameters
+    with the least of it, up to what fits beside that peak with a margin
+    (``policy.room_beside``; after a step in parts, also beside what the step began with and
+    its next parts), stays on the device for the run, the rest moves each step. The choice
+    holds for the run.
   Rule 2 (what). Each tensor of the state on this device, of ``lms`` KiB or more, that is its
     storage's whole (``exp_avg``, ``momentum_buffer``; not Adam's ``step`` scalar). Its bytes
     have a slot of the pool for the run; the state dict then holds a CPU tensor over that slot.
@@ -43,11 +46,18 @@ optimizer steps and brings them back for the step:
     of the part two before it), not all of it: the parameter groups are narrowed to a part's
     parameters, and the next part's state comes in while a part runs. Only where no step hooks
     but lmsrt's are set (a user's hook would see a part, not the step), the class's own
-    ``step`` is torch's, and not under torch.compile (the parts after the first would run
-    eagerly, whose arithmetic is not the compiled graph's). A closure runs first, in the
+    ``step`` is torch's, and not under torch.compile (Rule 8). A closure runs first, in the
     pre-hook, with the groups whole (it may zero their gradients), as the step would run it;
-    then part 1 runs as the step, and the rest in the post-hook, each with the step's
-    arguments. Per-parameter updates make the parts' arithmetic the step's, bit for bit.
+    then the groups are emptied, so the step's own body does nothing, and every part runs in
+    the post-hook, with the step's arguments: a part that raises there leaves the groups whole
+    (a step left by an exception skips torch's post-hooks; one that raised in a pre-hook is
+    made whole at the next read or step). Each group's choice of foreach or loop is made once,
+    from the whole group; per-parameter updates make the parts' arithmetic the step's, bit for
+    bit.
+  Rule 8 (compiled steps). A step compiled with torch.compile guards on its state's addresses and
+    keeps the tensors it was compiled with: state brought back each step would recompile it
+    each step and hold every old copy. Its state stays on the device (brought back for good if
+    it had moved), said once.
 
 Exact: the optimizer's arithmetic is the same, on the same bytes.
 """
@@ -88,19 +98,21 @@ class _Place:
 class _Tracked:
     """One optimizer as the mover sees it."""
 
-    __slots__ = ("places", "moved", "fetched", "in_step", "created", "peak_before", "at_step",
-                 "parts", "resident", "__weakref__")
+    __slots__ = ("places", "moved", "fetched", "in_step", "created", "found", "peak_before",
+                 "at_step", "parts", "resident", "stays", "__weakref__")
 
     def __init__(self):
         self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
         self.moved = False          # its state lives on the host between steps (Rule 1)
         self.fetched = False        # this step (or part) has brought its state in (Rule 3)
         self.in_step = False        # between its step's pre- and post-hook
-        self.created = False        # this step found no state of it on the device
+        self.created = False        # this step makes its state, or found it (Rule 1)
+        self.found = 0              # bytes of state on the device when first seen (loaded)
         self.peak_before = 0        # the engine's step peak when its step began
         self.at_step = 0            # allocated then, after its closure
         self.parts: Optional[Parts] = None     # this step's parts, when streamed (Rule 7)
         self.resident: set = set()  # ids of parameters whose state stays on the device (Rule 1)
+        self.stays = False          # its step is compiled: its state stays on the device (Rule 8)
 
 
 class _HostState(collections.defaultdict):
@@ -135,6 +147,7 @@ class _HostState(collections.defaultdict):
         return super().values()
 
     def __reduce__(self):           # copied or pickled: a plain defaultdict of what it holds
+        self._touch()
         return collections.defaultdict, (dict,), None, None, iter(dict.items(self))
 
 
@@ -179,11 +192,19 @@ class OptimizerMover:
         if self.mode == "gpu":
             return None
         tracked = self._tracked.get(optimizer)
-        if tracked is None:
+        first = tracked is None
+        if first:
             tracked = self._tracked[optimizer] = _Tracked()
             # An optimizer dropped gives its host places back.
             weakref.finalize(optimizer, _forget, weakref.ref(self), tracked)
-        tracked.in_step, tracked.fetched, tracked.parts = True, False, None
+        if tracked.parts is not None:           # the last step raised inside a part
+            with self.lock:
+                self._end_parts(optimizer, tracked)
+        if compiled and not tracked.stays:
+            self._stay(optimizer, tracked)      # Rule 8
+        if tracked.stays:
+            return None
+        tracked.in_step, tracked.fetched = True, False
         self._written_before = self._written
         cut = may_cut(optimizer) and not compiled
         if tracked.moved:
@@ -194,28 +215,66 @@ class OptimizerMover:
                 per[pid] = per.get(pid, 0) + place.slot.nbytes
             args, kwargs = run_closure(args, kwargs)
         else:
-            tracked.created = next(self._on_device(optimizer, tracked), None) is None
+            on_device = sum(t.untyped_storage().nbytes()
+                            for _, _, _, t in self._on_device(optimizer, tracked))
+            # State made by this step, or found on the device at the first sight (loaded by
+            # load_state_dict to resume a run): both are judged at this step's end (Rule 1).
+            tracked.found = on_device if first else 0
+            tracked.created = first or not on_device
             if not (cut and tracked.created):
-                tracked.peak_before = self.step_peak()
+                tracked.peak_before = self._peak_without(tracked)
                 return None
             args, kwargs = run_closure(args, kwargs)     # what it holds counts (Rule 1)
-            tracked.peak_before = self.step_peak()
+            tracked.peak_before = self._peak_without(tracked)
             tracked.at_step = self.device.memory_allocated()
-            per = state_to_come(optimizer)
+            per = state_to_come(optimizer) if not on_device else {}
             if self.mode == "auto" and self._fits_whole(optimizer, per):
                 return args, kwargs
             tracked.moved = True
+            if on_device:                       # found: out now, in again part by part
+                with self.lock:
+                    self._write_back(optimizer, tracked)
+                tracked.at_step -= on_device
+                per = {}
+                for (pid, _), place in tracked.places.items():
+                    per[pid] = per.get(pid, 0) + place.slot.nbytes
         parts = Parts.plan(optimizer, per, self.part_bytes)          # Rule 7
         if parts is not None:
             parts.begin(optimizer)
             tracked.parts = parts
         return args, kwargs
 
+    def _peak_without(self, tracked: _Tracked) -> int:
+        """The step's peak so far, less the state found on the device (it was in it)."""
+        peak = self.step_peak()
+        return peak - min(tracked.found, peak)
+
+    def _end_parts(self, optimizer, tracked: _Tracked) -> None:
+        """After a step that raised inside a part: the groups whole again, and the part that
+        was coming in waited for (it is in the state dict, on the device)."""
+        parts, tracked.parts = tracked.parts, None
+        if parts.ahead is not None:
+            parts.ahead.wait(self.device.current_stream())
+        parts.end(optimizer)
+
+    def _stay(self, optimizer, tracked: _Tracked) -> None:
+        """Rule 8: a compiled step's state on the device for good."""
+        tracked.stays = True
+        if tracked.moved:
+            with self.lock:
+                self._bring_back(optimizer, tracked)
+            tracked.moved = False
+        say_once("optimizer-state-compiled",
+                 f"lmsrt: {type(optimizer).__name__}'s step is compiled (torch.compile): its "
+                 "state stays on the GPU, where the compiled step finds it at the same "
+                 "addresses each step (said once).", given=self._said)
+
     def _fits_whole(self, optimizer, per: Dict[int, int]) -> bool:
-        """Rule 1, for a first step that makes its state: whether it fits on the device whole,
-        with the update's temporaries (a copy of the parameters, as a foreach update makes)."""
+        """Rule 1, for a first step: whether it fits on the device whole with the state it
+        makes (``per``; found state is allocated already) and the update's temporaries (a copy
+        of the parameters that have a gradient, as a foreach update makes)."""
         params = sum(p.numel() * p.element_size() for group in optimizer.param_groups
-                     for p in group["params"] if id(p) in per)
+                     for p in group["params"] if p.grad is not None)
         return self.fits(self.device.memory_allocated() + sum(per.values()) + params)
 
     def after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
@@ -238,7 +297,7 @@ class OptimizerMover:
             self._write_back(optimizer, tracked)
             if parts is not None:
                 try:
-                    parts.run_rest(optimizer, args, kwargs, lambda: self._next_part(
+                    parts.run(optimizer, args, kwargs, lambda: self._next_part(
                         optimizer, tracked, parts))
                     self._write_back(optimizer, tracked)        # the last part's
                 finally:
@@ -297,12 +356,17 @@ class OptimizerMover:
 
     def reading(self, optimizer) -> None:
         tracked = self._tracked.get(optimizer)
-        if tracked is None or not tracked.moved or tracked.fetched or self.closed:
+        if tracked is None or not tracked.moved or self.closed:
             return
         if tracked.in_step:
+            if not tracked.fetched:
+                with self.lock:
+                    self._fetch(optimizer, tracked, tracked.parts)
+            return
+        if tracked.parts is not None:               # the last step raised inside a part
             with self.lock:
-                self._fetch(optimizer, tracked, tracked.parts)
-        elif self._written is not None:             # Rule 5: its host bytes may be in flight
+                self._end_parts(optimizer, tracked)
+        if self._written is not None:               # Rule 5: its host bytes may be in flight
             self._written.synchronize()
             self._written = None
 
@@ -418,6 +482,29 @@ class OptimizerMover:
     def new_step(self) -> None:
         self.in_bytes = self.out_bytes = 0
 
+    def _bring_back(self, optimizer, tracked: _Tracked) -> None:
+        """Rules 6 and 8: the state of ``optimizer`` back on the device in a plain dict, its
+        host places given back (the compute stream waits for the copies in before any later
+        write can reach a place: Rule 5 of NOTE [ Stream lifetimes ])."""
+        compute = self.device.current_stream()
+        try:
+            done = self._bring(optimizer, tracked, _in_groups(optimizer), compute, self._written)
+        except torch.OutOfMemoryError:
+            say_once("optimizer-state-close", f"lmsrt: {type(optimizer).__name__}'s state did "
+                     "not fit back on the GPU: it stays in host memory, and the optimizer's next "
+                     "step fails on mixed devices (said once). Move it with "
+                     "optimizer.load_state_dict(optimizer.state_dict()) once there is room.",
+                     given=self._said, warn=True)
+            return
+        if done is not None:
+            done.wait(compute)
+        state = optimizer.state
+        if isinstance(state, _HostState):
+            optimizer.state = collections.defaultdict(dict, dict.items(state))
+        for place in tracked.places.values():
+            self.host.free(place.slot)
+        tracked.places.clear()
+
     def close(self) -> None:
         """Rule 6: the state back on the device, and this mover out of the hooks."""
         if self.closed:
@@ -426,23 +513,10 @@ class OptimizerMover:
         if self.mode != "gpu":
             _hooks.remove_user(self)
         for optimizer, tracked in list(self._tracked.items()):
-            if not tracked.moved:
-                continue
-            try:
-                done = self._bring(optimizer, tracked, _in_groups(optimizer),
-                                   self.device.current_stream(), self._written)
-                if done is not None:
-                    done.wait(self.device.current_stream())
-            except torch.OutOfMemoryError:
-                say_once("optimizer-state-close", f"lmsrt: {type(optimizer).__name__}'s state "
-                         "did not fit back on the GPU as the LMS closed: it stays in host "
-                         "memory, and the optimizer's next step fails on mixed devices (said "
-                         "once). Move it with optimizer.load_state_dict(optimizer.state_dict()) "
-                         "once there is room.", given=self._said, warn=True)
-                continue
-            state = optimizer.state
-            if isinstance(state, _HostState):
-                optimizer.state = collections.defaultdict(dict, dict.items(state))
+            if tracked.parts is not None:
+                self._end_parts(optimizer, tracked)
+            if tracked.moved:
+                self._bring_back(optimizer, tracked)
         self._tracked.clear()
 
 

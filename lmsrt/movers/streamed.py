@@ -76,16 +76,19 @@ class Parts:
 
     def __init__(self, parts: List[List[list]]):
         self.parts = parts
-        self.index = 0
+        self.index = -1                     # none yet: the groups are empty
         self.whole: List[list] = []         # each group's own parameter list
         self.ahead = None
         self.written: list = []             # the write-back event of each part that ran
+        self.foreach: list = []             # each group's own foreach setting
 
     @classmethod
     def plan(cls, optimizer, per: Dict[int, int], part_bytes: int) -> Optional["Parts"]:
         """Parts of about ``part_bytes`` of state each (``per``: bytes by id of parameter), in
         the groups' order; None where one part holds it all."""
         groups = optimizer.param_groups
+        if any(p.grad is not None and p.grad.is_sparse for g in groups for p in g["params"]):
+            return None                 # (Adagrad takes another path per device group then)
         parts, part, size = [], [[] for _ in groups], 0
         for g, group in enumerate(groups):
             for p in group["params"]:
@@ -101,13 +104,25 @@ class Parts:
     def begin(self, optimizer) -> None:
         """In the step's pre-hook, after the closure ran with the groups whole (``run_closure``):
         make the rebuilds that read the parameters (params.py, Rule 1: the pre-hook that makes
-        them may come after this one), and narrow the groups to the first part."""
+        them may come after this one), and empty the groups, so that the step's own body does
+        nothing: the parts all run in the post-hook (``run``), where a part that raises leaves
+        the groups whole."""
         params.before_step(optimizer)
-        self.whole = [group["params"] for group in optimizer.param_groups]
+        groups = optimizer.param_groups
+        self.whole = [group["params"] for group in groups]
+        # torch chooses foreach or a loop per group from the parameters it steps: a part
+        # could choose otherwise than its group (whose rounding may differ), so the group's
+        # choice is made once, from the whole group, and held for the parts.
+        self.foreach = [group.get("foreach", _ABSENT) for group in groups]
+        for group in groups:
+            if group.get("foreach", False) is None and not group.get("fused"):
+                group["foreach"] = _foreach_of(group)
         self.narrow(optimizer)
 
     def narrow(self, optimizer) -> None:
-        for group, part in zip(optimizer.param_groups, self.parts[self.index]):
+        """Each group down to its parameters in the part running (none before the first)."""
+        parts = self.parts[self.index] if self.index >= 0 else [[] for _ in self.whole]
+        for group, part in zip(optimizer.param_groups, parts):
             group["params"] = part
 
     def paced_by(self, before):
@@ -123,20 +138,36 @@ class Parts:
             return set()
         return {id(p) for group in self.parts[self.index + 1] for p in group}
 
-    def run_rest(self, optimizer, args: tuple, kwargs: dict,
-                 between: Callable[[], None]) -> None:
-        """In the step's post-hook: the parts after the first, each as the step's own body
-        (no hooks: they ran once, around the whole), ``between()`` before each."""
+    def run(self, optimizer, args: tuple, kwargs: dict, between: Callable[[], None]) -> None:
+        """In the step's post-hook (the step's own body ran on empty groups): every part, each
+        as the step's own body (no hooks: they ran once, around the whole), ``between()``
+        before each. Whatever raises here, the post-hook's caller makes the groups whole."""
         body = type(optimizer).step.__wrapped__
         args, kwargs = _with_closure(args, kwargs, None)
-        for self.index in range(1, len(self.parts)):
+        for self.index in range(len(self.parts)):
             between()
             body(*args, **kwargs)
 
     def end(self, optimizer) -> None:
-        """The groups whole again."""
-        for group, whole in zip(optimizer.param_groups, self.whole):
+        """The groups whole again, each with its own ``foreach``."""
+        for group, whole, foreach in zip(optimizer.param_groups, self.whole, self.foreach):
             group["params"] = whole
+            if foreach is _ABSENT:
+                group.pop("foreach", None)
+            else:
+                group["foreach"] = foreach
+
+
+_ABSENT = object()
+
+
+def _foreach_of(group: dict) -> bool:
+    """What torch's step would choose for ``group`` as a whole (``foreach=None``): the foreach
+    kernels where every parameter with a gradient suits them."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    stepped = [p for p in group["params"] if p.grad is not None]
+    return _default_to_fused_or_foreach(stepped, group.get("differentiable", False),
+                                        use_fused=False)[1]
 
 
 def _with_closure(args: tuple, kwargs: dict, closure) -> tuple:
