@@ -395,6 +395,30 @@ def test_auto_moves_only_the_state_that_does_not_fit():
     assert peak + state - moved_tight <= tight - (tight >> 4) - (tight >> 5)   # the rest fits
 
 
+def test_the_placement_moves_only_what_does_not_fit():
+    """Rule 1 as arithmetic (movers/placement.py), under a limit of 1600 bytes: fit means a peak
+    within 1500, room is what stays under 1450."""
+    from lmsrt.movers.placement import Placement
+
+    def fits(peak):
+        return peak <= 1500
+
+    def room(peak):
+        return max(0, 1450 - peak)
+
+    auto = Placement("auto", fits, room, part_bytes=100)
+    host = Placement("host", fits, room, part_bytes=100)
+    assert not auto.moves_before(allocated=800, state=400, temporaries=200)    # 1400: fits
+    assert auto.moves_before(allocated=800, state=600, temporaries=200)        # 1600: does not
+    assert host.moves_before(allocated=0, state=1, temporaries=0)
+    assert not auto.moves_after(peak=1000, made=500) and auto.moves_after(peak=1000, made=600)
+    assert not auto.moves_after(peak=2000, made=0) and host.moves_after(peak=0, made=0)
+    sizes = {1: 300, 2: 50, 3: 100, 4: 200}
+    assert auto.stays(sizes, peak=1100) == {2, 3, 4}           # room 350: 50 + 100 + 200
+    assert auto.stays(sizes, peak=1100, began=900) == {2, 3}   # beside 900 + 4 parts: 150
+    assert auto.stays(sizes, peak=1500) == set() and host.stays(sizes, peak=0) == set()
+
+
 def test_gpu_keeps_the_state_where_the_optimizer_made_it():
     lms = make_lms("sim", optimizer_state="gpu", lms=64)
     ref, _, _ = _train("sim", "adamw", steps=2)

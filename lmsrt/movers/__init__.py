@@ -1,6 +1,7 @@
 """Movers of model state other than saved tensors, each an object the engine holds and calls:
 
   optimizer.py   OptimizerMover: optimizer state in pinned host memory between optimizer steps
+  placement.py   Placement: how much of the state leaves the device, and when (the decision)
   streamed.py    Parts: an optimizer step in parts, a part of its state on the GPU at a time
 """
 from .optimizer import MODES, OptimizerMover

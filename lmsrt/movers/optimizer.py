@@ -73,6 +73,7 @@ from .. import torch_patches
 from ..options import spelled
 from ..say import say_once
 from ..units import format_bytes
+from .placement import Placement
 from .streamed import Parts, may_cut, run_closure, state_to_come
 
 __all__ = ["OptimizerMover", "MODES"]
@@ -171,8 +172,9 @@ class OptimizerMover:
             raise ValueError(f"optimizer_state must be one of {', '.join(MODES)}, got {mode!r}")
         self.device, self.copies, self.host, self.lock = device, copies, host, lock
         self.min_bytes, self.mode = min_bytes, mode
-        self.step_peak, self.fits, self.room = step_peak, fits, room
+        self.step_peak = step_peak
         self.part_bytes = part_bytes  # of state per part of a streamed step (Rule 7)
+        self.placement = Placement(mode, fits, room, part_bytes)     # Rule 1
         self._tracked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._written = None          # the last write-back's event (Rules 3, 5)
         self._written_before = None   # and the last one before the step in flight began
@@ -228,7 +230,10 @@ class OptimizerMover:
             tracked.peak_before = self._peak_without(tracked)
             tracked.at_step = self.device.memory_allocated()
             per = state_to_come(optimizer) if not on_device else {}
-            if self.mode == "auto" and self._fits_whole(optimizer, per):
+            temporaries = sum(p.numel() * p.element_size() for group in optimizer.param_groups
+                              for p in group["params"] if p.grad is not None)
+            if not self.placement.moves_before(self.device.memory_allocated(),
+                                               sum(per.values()), temporaries):
                 return args, kwargs
             tracked.moved = True
             if on_device:                       # found: out now, in again part by part
@@ -269,14 +274,6 @@ class OptimizerMover:
                  "state stays on the GPU, where the compiled step finds it at the same "
                  "addresses each step (said once).", given=self._said)
 
-    def _fits_whole(self, optimizer, per: Dict[int, int]) -> bool:
-        """Rule 1, for a first step: whether it fits on the device whole with the state it
-        makes (``per``; found state is allocated already) and the update's temporaries (a copy
-        of the parameters that have a gradient, as a foreach update makes)."""
-        params = sum(p.numel() * p.element_size() for group in optimizer.param_groups
-                     for p in group["params"] if p.grad is not None)
-        return self.fits(self.device.memory_allocated() + sum(per.values()) + params)
-
     def after_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         tracked = self._tracked.get(optimizer)
         if tracked is None or not tracked.in_step:
@@ -291,7 +288,7 @@ class OptimizerMover:
         # on the device before its write-back, or on the host after a step in parts.
         keep = first and tracked.created and self.mode == "auto"
         if keep and parts is None:
-            self._keep_resident(optimizer, tracked, False)
+            self._keep_resident(optimizer, tracked, None)
         tracked.created = False
         with self.lock:
             self._write_back(optimizer, tracked)
@@ -303,7 +300,7 @@ class OptimizerMover:
                 finally:
                     parts.end(optimizer)
                 if keep:
-                    self._keep_resident(optimizer, tracked, True)
+                    self._keep_resident(optimizer, tracked, tracked.at_step)
             self._sweep(optimizer, tracked)
 
     def _next_part(self, optimizer, tracked: _Tracked, parts: "Parts") -> None:
@@ -316,33 +313,22 @@ class OptimizerMover:
 
     def _should_move(self, optimizer, tracked: _Tracked) -> bool:
         """Rule 1, at the end of the step that made the state on the device."""
-        if self.mode == "host":
-            return True
-        if not tracked.created:
+        if self.mode != "host" and not tracked.created:
             return False
-        created = sum(t.untyped_storage().nbytes()
-                      for _, _, _, t in self._on_device(optimizer, tracked))
-        return bool(created) and not self.fits(tracked.peak_before + created)
+        made = sum(t.untyped_storage().nbytes()
+                   for _, _, _, t in self._on_device(optimizer, tracked))
+        return self.placement.moves_after(tracked.peak_before, made)
 
-    def _keep_resident(self, optimizer, tracked: _Tracked, in_parts: bool) -> None:
-        """Rule 1: of the state the step made, as much as fits beside the step's peak before it
-        stays on the device (the smallest tensors' first); the rest moves. Where the step ran in
-        parts, the next step's parts and the state kept must fit beside what the step began
-        with too."""
-        keep = self.room(tracked.peak_before)
-        if in_parts:
-            keep = min(keep, self.room(tracked.at_step + 4 * self.part_bytes))
+    def _keep_resident(self, optimizer, tracked: _Tracked, began: Optional[int]) -> None:
+        """Rule 1: what of the state the step made stays on the device (``Placement.stays``;
+        ``began``: what the step began with, where it ran in parts)."""
         sizes: Dict[int, int] = {}
         for p, _, _, t in self._on_device(optimizer, tracked):
             sizes[id(p)] = sizes.get(id(p), 0) + t.untyped_storage().nbytes()
         for where, place in tracked.places.items():
             sizes[where[0]] = sizes.get(where[0], 0) + place.slot.nbytes
-        kept = 0
-        for pid, nbytes in sorted(sizes.items(), key=lambda item: item[1]):
-            if kept + nbytes > keep:
-                break
-            tracked.resident.add(pid)
-            kept += nbytes
+        tracked.resident = self.placement.stays(sizes, tracked.peak_before, began)
+        kept = sum(sizes[pid] for pid in tracked.resident)
         total = sum(sizes.values())
         say_once("optimizer-state",
                  f"lmsrt: {type(optimizer).__name__}'s state ({format_bytes(total)}) would not "
