@@ -16,7 +16,9 @@ optimizer steps and brings them back for the step:
     fitted, and a learning step's peak is the least the engine can hold. State found on the
     device at an optimizer's first step (loaded to resume a run) is judged as if that step had
     made it (its bytes taken off the peak they were in); where the step would not fit whole, it
-    goes out before the step. Then only what must leave leaves: the state of the parameters
+    goes out before the step. Under cuDNN's benchmark mode the step that made the state is not
+    judged (its algorithm search takes what memory there is): the next one is, its state
+    counted as found. Then only what must leave leaves: the state of the parameters
     with the least of it, up to what fits beside that peak with a margin
     (``policy.room_beside``; after a step in parts, also beside what the step began with and
     its next parts), stays on the device for the run, the rest moves each step. The choice
@@ -100,7 +102,7 @@ class _Tracked:
     """One optimizer as the mover sees it."""
 
     __slots__ = ("places", "moved", "fetched", "in_step", "created", "found", "peak_before",
-                 "at_step", "parts", "resident", "stays", "__weakref__")
+                 "at_step", "parts", "resident", "stays", "again", "__weakref__")
 
     def __init__(self):
         self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
@@ -114,6 +116,7 @@ class _Tracked:
         self.parts: Optional[Parts] = None     # this step's parts, when streamed (Rule 7)
         self.resident: set = set()  # ids of parameters whose state stays on the device (Rule 1)
         self.stays = False          # its step is compiled: its state stays on the device (Rule 8)
+        self.again = False          # judged at the next step's end instead (cuDNN's search)
 
 
 class _HostState(collections.defaultdict):
@@ -221,8 +224,9 @@ class OptimizerMover:
                             for _, _, _, t in self._on_device(optimizer, tracked))
             # State made by this step, or found on the device at the first sight (loaded by
             # load_state_dict to resume a run): both are judged at this step's end (Rule 1).
-            tracked.found = on_device if first else 0
-            tracked.created = first or not on_device
+            tracked.found = on_device if first or tracked.again else 0
+            tracked.created = first or tracked.again or not on_device
+            tracked.again = False
             if not (cut and tracked.created):
                 tracked.peak_before = self._peak_without(tracked)
                 return None
@@ -280,6 +284,13 @@ class OptimizerMover:
             return                  # its pre-hook ran before this mover was made
         tracked.in_step = False
         first = not tracked.moved or tracked.created
+        if (not tracked.moved and tracked.created and not tracked.found
+                and self.mode == "auto" and self.device.tunes_algorithms()):
+            # The step that made the state also ran cuDNN's search, whose workspaces take what
+            # memory there is: its peak says nothing of the model's. The next step, with the
+            # algorithms chosen, is judged instead, its state counted as found.
+            tracked.again = True
+            return
         if not tracked.moved and not self._should_move(optimizer, tracked):
             return
         tracked.moved = True
