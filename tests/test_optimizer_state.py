@@ -580,6 +580,38 @@ def test_reads_between_steps_wait_for_write_backs_in_flight(limit):
         assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
 
 
+@pytest.mark.parametrize("limit", [1 << 30, 16 << 20], ids=["whole", "parts"])
+def test_state_loaded_before_the_first_step_moves_exactly(limit):
+    """Rule 1 with Rule 3: a resumed run (state loaded before its first step) moves the state it
+    found; in parts, out in the pre-hook and in again part by part, each part's copies in after
+    the write-backs (here lagging) that fill its places. Exact against the plain resumed run."""
+    def run(lms, state=None, steps=3):
+        model = _model(torch.device("cpu"), 256)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if state is not None:           # (load_state_dict keeps the tensors it is given)
+            model.load_state_dict(state[0])
+            opt.load_state_dict(copy.deepcopy(state[1]))
+        x = torch.randn(32, 64)
+        seen = []
+        for _ in range(steps):
+            opt.zero_grad()
+            with lms or contextlib.nullcontext():
+                loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            seen.append([p.detach().clone() for p in model.parameters()])
+        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        return seen, saved, opt
+
+    _, saved, _ = run(None, steps=2)
+    ref, _, _ = run(None, saved)
+    with _limited("sim", limit) as lms:
+        lagging = _lagging(lms)
+        got, _, opt = run(lms, saved)
+        assert lagging.count > 0 and lms.stats()["last_step"]["optimizer_host_bytes"] > 0
+    _assert_same_params(ref, got)
+
+
 @pytest.mark.parametrize("where", ["first", "third"])
 def test_a_step_that_raises_inside_a_part_leaves_the_groups_whole(where, monkeypatch):
     """Rule 7: a step that raises inside a part (an allocation of its state that fails as its

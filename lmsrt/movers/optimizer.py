@@ -243,6 +243,8 @@ class OptimizerMover:
             if on_device:                       # found: out now, in again part by part
                 with self.lock:
                     self._write_back(optimizer, tracked)
+                # The parts' copies in read what these write-backs write (Rule 3).
+                self._written_before = self._written
                 tracked.at_step -= on_device
                 per = {}
                 for (pid, _), place in tracked.places.items():
