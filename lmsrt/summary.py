@@ -78,10 +78,11 @@ LABELS = ("settings", "swap above", "auto", "regions", "not rebuilt",
 
 
 def moved(stats: Dict[str, object]) -> bool:
-    """Whether LMS swapped, rebuilt or recomputed anything in the run ``stats``
-    (``LMS.stats()``) describes."""
+    """Whether LMS swapped, rebuilt or recomputed anything, or moved optimizer state, in the run
+    ``stats`` (``LMS.stats()``) describes."""
     t = stats["total"]
-    return bool(t["out_bytes"] or t["recipe_bytes"] or t["recomputed_regions"])
+    return bool(t["out_bytes"] or t["recipe_bytes"] or t["recomputed_regions"]
+                or t.get("optimizer_out_bytes"))
 
 
 def _steps(stats: Dict[str, object]) -> str:
@@ -102,6 +103,9 @@ def _changed(stats: Dict[str, object]) -> str:
     if last["recomputed_regions"]:
         said.append(f"recomputed {last['recomputed_regions']} of {regions.get('regions', '?')} "
                     "blocks a step")
+    if last.get("optimizer_out_bytes"):
+        said.append(f"kept {format_bytes(last['optimizer_out_bytes'])} of optimizer state in "
+                    "host memory between optimizer steps")
     if said:
         return "lmsrt " + ", ".join(said)
     if moved(stats):

@@ -55,6 +55,22 @@ def test_the_simulated_gpu_takes_its_size_from_gpu_limit_and_the_headline_says_w
     assert labels.index("  fetched ahead") == labels.index("swapped in") + 1
 
 
+def test_the_headline_says_what_optimizer_state_lived_in_host_memory(tmp_path):
+    """An AdamW script under --optimizer-state host: the headline says how much of its state
+    lived in host memory between optimizer steps, and the full table has its rows."""
+    script = write(tmp_path / "adamw.py", ACCUMULATING.replace(
+        "torch.optim.SGD(model.parameters(), lr=0.01)",
+        "torch.optim.AdamW(model.parameters(), lr=0.01)"))
+    result = lmsrt_process("run", "--optimizer-state", "host", "--lms", "64", "--summary",
+                           "full", "--stats", "-", script)
+    assert result.returncode == 0, result.stderr
+    state = 2 * 4 * 512 * 512 * 4                    # AdamW's moments of the 4 weights
+    assert json.loads(result.stdout)["last_step"]["optimizer_out_bytes"] == state
+    assert "lmsrt kept 8.00 MiB of optimizer state in host memory between optimizer steps" in (
+        _headline(result.stderr))
+    assert "optimizer state on host" in result.stderr and "  written back" in result.stderr
+
+
 def test_without_gpu_limit_the_simulated_gpu_holds_lmsrt_sim_gb(tmp_path, monkeypatch):
     assert sim_capacity({}) == GiB and sim_capacity({"LMSRT_SIM_GB": "0.25"}) == GiB // 4
     monkeypatch.setenv("LMSRT_SIM_GB", "0.5")
