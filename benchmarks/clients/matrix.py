@@ -22,8 +22,9 @@ uncapped (over plain's settled step), x peer (over the peer's at the same cap), 
 (the first 30 steps over 30 settled ones) and 2-31 (the same from step 2: step 1 starts CUDA's
 libraries and builds what the script builds lazily, with or without lmsrt), the peak
 (torch.cuda.max_memory_allocated), and from lmsrt's --stats the bytes moved, rebuilt and
-recomputed in the last step. Writes clients.json and clients.md to --out, and each run's JSON,
-stats and log under --out/runs/. A run that fails or times out is recorded and the matrix goes
+recomputed in the last step, and the optimizer state it kept in host memory ("state GiB").
+Writes clients.json and clients.md to --out, and each run's JSON, stats and log under
+--out/runs/. A run that fails or times out is recorded and the matrix goes
 on.
 """
 from __future__ import annotations
@@ -184,10 +185,12 @@ def first_cost(times: List[float], skip: int = 0) -> Optional[float]:
 
 
 def lmsrt_figures(stats: dict) -> dict:
-    """Per step (the last one): bytes moved, rebuilt and recomputed; and the region note."""
+    """Per step (the last one): bytes moved, rebuilt and recomputed, optimizer state written
+    back to host memory; and the region note."""
     last = stats.get("last_step") or {}
     regions = stats.get("regions") or {}
     return {"moved_gib": last.get("out_bytes", 0) / GiB,
+            "state_gib": last.get("optimizer_out_bytes", 0) / GiB,
             "rebuilt_gib": last.get("recipe_bytes", 0) / GiB,
             "recomputed_gib": last.get("recomputed_bytes", 0) / GiB,
             "alloc_retries": last.get("alloc_retries"),
@@ -277,7 +280,8 @@ def ratios(rows: List[dict]) -> None:
 
 def table(rows: List[dict]) -> str:
     head = ["client", "cap", "method", "outcome", "settled s", "CPU s", "x uncapped", "x peer",
-            "first-30", "2-31", "peak GiB", "moved GiB", "rebuilt GiB", "recomp. GiB"]
+            "first-30", "2-31", "peak GiB", "moved GiB", "rebuilt GiB", "recomp. GiB",
+            "state GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ok = r["outcome"] == "ok"
@@ -289,7 +293,8 @@ def table(rows: List[dict]) -> str:
                  _num(r.get("x_peer"), 2, "x"), _num(r.get("first30") if ok else None, 2, "x"),
                  _num(r.get("after1") if ok else None, 2, "x"),
                  _num(r.get("peak_gib"), 2), _num(r.get("moved_gib"), 2),
-                 _num(r.get("rebuilt_gib"), 2), _num(r.get("recomputed_gib"), 2)]
+                 _num(r.get("rebuilt_gib"), 2), _num(r.get("recomputed_gib"), 2),
+                 _num(r.get("state_gib"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

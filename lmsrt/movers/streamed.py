@@ -70,8 +70,12 @@ class Parts:
     Example::
 
         args, kwargs = run_closure(args, kwargs)            # in the step's pre-hook
-        parts = Parts.plan(optimizer, {id(p): 1 << 20 for p in ps}, part_bytes=1 << 30)
-        parts.begin(optimizer)                              # None: it takes one part
+        parts = Parts.plan(optimizer, state_bytes, part_bytes=1 << 30)   # None: one part
+        if parts is not None:
+            parts.begin(optimizer)                          # the groups emptied
+        ...
+        parts.run(optimizer, args, kwargs, between)         # in the post-hook
+        parts.end(optimizer)                                # the groups whole
     """
 
     def __init__(self, parts: List[List[list]]):
