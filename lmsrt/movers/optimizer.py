@@ -388,13 +388,13 @@ class OptimizerMover:
             if done is not None:
                 done.wait(compute)
 
-    def _bring(self, optimizer, tracked: _Tracked, ids: set, compute, after):
-        """Start the copies in of the host tensors of the parameters ``ids``, once the write
-        event ``after`` (if any) has passed; the last one's event, or None."""
+    def _bring(self, optimizer, tracked: _Tracked, params: list, compute, after):
+        """Start the copies in of the host tensors of ``params``' state, once the write event
+        ``after`` (if any) has passed; the last one's event, or None."""
         if after is not None:
             after.wait(self.copies.h2d)
         done = None
-        for _, p_state, key, place in self._on_host(optimizer, tracked, ids):
+        for _, p_state, key, place in self._on_host(optimizer, tracked, params):
             block = self.device.empty(place.slot.nbytes)
             done = self.copies.copy_in(block, place.slot, compute)
             p_state[key] = block.view(place.dtype).as_strided(place.size, place.stride)
@@ -407,7 +407,7 @@ class OptimizerMover:
         if not isinstance(optimizer.state, _HostState) or optimizer.state._mover() is not self:
             optimizer.state = _HostState(self, optimizer, optimizer.state)   # (a new dict)
         compute = self.device.current_stream()
-        moving = _in_groups(optimizer) - tracked.resident
+        moving = [p for p in _in_groups(optimizer) if id(p) not in tracked.resident]
         for p, p_state, key, t in list(self._on_device(optimizer, tracked, moving)):
             where = (id(p), key)
             nbytes = t.untyped_storage().nbytes()
@@ -437,13 +437,11 @@ class OptimizerMover:
     # -- what is where -------------------------------------------------------------------------
 
     def _on_device(self, optimizer, tracked: _Tracked,
-                   ids: Optional[set] = None) -> Iterator[tuple]:
+                   params: Optional[list] = None) -> Iterator[tuple]:
         """(param, its state, key, tensor) of each movable state tensor on the device (Rule 2),
-        of the parameters ``ids`` if given."""
+        of ``params`` if given."""
         owns, least, places = self.device.owns, self.min_bytes, tracked.places
-        for p, p_state in dict.items(optimizer.state):
-            if ids is not None and id(p) not in ids:
-                continue
+        for p, p_state in _states(optimizer, params):
             for key, t in p_state.items():
                 if type(t) is not torch.Tensor or not owns(t):
                     continue                       # (a DTensor's shards are FSDP's to move)
@@ -456,13 +454,11 @@ class OptimizerMover:
                     yield p, p_state, key, t
 
     @staticmethod
-    def _on_host(optimizer, tracked: _Tracked, ids: Optional[set] = None) -> List[tuple]:
+    def _on_host(optimizer, tracked: _Tracked, params: Optional[list] = None) -> List[tuple]:
         """((id(param), key), its state, key, place) of each state tensor of ``optimizer`` on
-        the host, of the parameters ``ids`` if given."""
+        the host, of ``params`` if given."""
         places, found = tracked.places, []
-        for p, p_state in dict.items(optimizer.state):
-            if ids is not None and id(p) not in ids:
-                continue
+        for p, p_state in _states(optimizer, params):
             for key, t in p_state.items():
                 place = places.get((id(p), key))
                 if place is not None and t is place.host:
@@ -539,8 +535,21 @@ def _forget(mover_ref, tracked: _Tracked) -> None:
             tracked.places.clear()
 
 
-def _in_groups(optimizer) -> set:
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+def _in_groups(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _states(optimizer, params: Optional[list]) -> Iterator[tuple]:
+    """(param, its state) of ``params`` (each part's, without a walk over the whole state),
+    else of every parameter with state; read past the mover."""
+    state = optimizer.state
+    if params is None:
+        yield from dict.items(state)
+        return
+    for p in params:
+        p_state = dict.get(state, p)
+        if p_state:
+            yield p, p_state
 
 
 def _pre(optimizer, args, kwargs) -> Optional[tuple]:

@@ -136,11 +136,11 @@ class Parts:
         last write-back before the step."""
         return self.written[-2] if len(self.written) >= 2 else before
 
-    def following(self) -> set:
-        """The parameters of the part after the one running (an empty set after the last)."""
+    def following(self) -> list:
+        """The parameters of the part after the one running (none after the last)."""
         if self.index + 1 >= len(self.parts):
-            return set()
-        return {id(p) for group in self.parts[self.index + 1] for p in group}
+            return []
+        return [p for group in self.parts[self.index + 1] for p in group]
 
     def run(self, optimizer, args: tuple, kwargs: dict, between: Callable[[], None]) -> None:
         """In the step's post-hook (the step's own body ran on empty groups): every part, each
