@@ -21,6 +21,8 @@ OPTIMIZERS = {
     "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+    # torch's Adam takes its loop, not foreach, for a tensor learning rate: parts must too
+    "adam-tensor-lr": lambda ps: torch.optim.Adam(ps, lr=torch.tensor(1e-2)),
 }
 
 
@@ -468,6 +470,87 @@ def test_the_placement_moves_only_what_does_not_fit():
     assert auto.stays(sizes, peak=1500) == set() and host.stays(sizes, peak=0) == set()
 
 
+class _MyAdamW(torch.optim.AdamW):
+    """A subclass (a library's optimizer): its steps are not cut in parts."""
+
+
+def test_a_closures_step_is_judged_by_the_peak_of_its_forward_and_backward():
+    """Rule 1: a step not cut in parts whose forward and backward run in its closure is judged
+    by their peak, read once the closure returned: under the limit that moves some of AdamW's
+    state after plain steps, the same moves with a closure."""
+    from lmsrt.device import SimulatedDevice
+
+    probe = make_lms("sim", lms=64)
+    _train("sim", "adamw", lms=probe, steps=1, batch=4096)
+    peak = probe.stats()["last_step"]["gpu_peak_bytes"]
+    probe.close()
+    cap = (peak + (1 << 20)) * 32 // 29
+    OPTIMIZERS["my-adamw"] = lambda ps: _MyAdamW(ps, lr=1e-2)
+    try:
+        moved = []
+        for closure in (False, True):
+            ref, _, _ = _train("sim", "my-adamw", batch=4096, closure=closure)
+            lms = lmsrt.LMS(device=SimulatedDevice(capacity=cap), lms=64, lms_frac=0.0)
+            got, opt, _ = _train("sim", "my-adamw", lms=lms, batch=4096, closure=closure)
+            _assert_same_params(ref, got)
+            moved.append(lms.stats()["last_step"]["optimizer_host_bytes"])
+            lms.close()
+    finally:
+        del OPTIMIZERS["my-adamw"]
+    assert moved[0] > 0 and moved[1] == moved[0], moved
+
+
+def test_a_saved_state_dict_holds_the_state_not_the_pinned_slabs(tmp_path):
+    """Rule 5: the host tensors' storages are their own bytes, so torch.save of state_dict()
+    writes the state (about what it writes without lmsrt), not the pinned slabs around it."""
+    _, ref_opt, _ = _train("sim", "adamw", steps=2)
+    torch.save(ref_opt.state_dict(), tmp_path / "ref.pt")
+    lms = make_lms("sim", optimizer_state="host", lms=64)
+    _, opt, _ = _train("sim", "adamw", lms=lms, steps=2)
+    torch.save(opt.state_dict(), tmp_path / "lms.pt")
+    lms.close()
+    ref, got = (tmp_path / "ref.pt").stat().st_size, (tmp_path / "lms.pt").stat().st_size
+    assert got < ref + (64 << 10), (got, ref)
+
+
+def test_state_made_after_the_first_step_is_sized_into_the_parts(monkeypatch):
+    """Rule 7: layers frozen at step 1 (no gradient: no state) and unfrozen at step 2 make their
+    state in step 2's parts, sized as it will be (AdamW: two copies of each): step 2 runs in as
+    many parts of 1 MiB as all its state needs, not in those of step 1's state alone. Exact."""
+    body, calls = _step_body(), []
+
+    def counted(*args, **kwargs):
+        calls[-1] += 1
+        return body(*args, **kwargs)
+
+    def run(lms):
+        model = _model(torch.device("cpu"), 256)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        late = list(model.parameters())[2:20]
+        x = torch.randn(32, 64)
+        seen = []
+        for step in range(3):
+            for p in late:
+                p.requires_grad_(step > 0)
+            opt.zero_grad()
+            with lms or contextlib.nullcontext():
+                loss = model(x).square().mean()
+            loss.backward()
+            calls.append(0)
+            opt.step()
+            seen.append([p.detach().clone() for p in model.parameters()])
+        return seen, opt
+
+    ref, _ = run(None)
+    monkeypatch.setattr(torch.optim.AdamW.step, "__wrapped__", counted)
+    calls.clear()
+    with _limited("sim", 16 << 20) as lms:
+        got, opt = run(lms)
+        state = sum(t.numel() * t.element_size() for t in _host_tensors(opt))
+    _assert_same_params(ref, got)
+    assert state > 6 << 20 and calls[1] >= state // (1 << 20) - 1, (calls, state)
+
+
 def test_gpu_keeps_the_state_where_the_optimizer_made_it():
     lms = make_lms("sim", optimizer_state="gpu", lms=64)
     ref, _, _ = _train("sim", "adamw", steps=2)
@@ -612,6 +695,13 @@ def test_state_loaded_before_the_first_step_moves_exactly(limit):
     _assert_same_params(ref, got)
 
 
+def _step_body():
+    """AdamW's step body under torch's hook wrapper (which a first AdamW puts on the class):
+    what a step in parts runs for each part."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    return torch.optim.AdamW.step.__wrapped__
+
+
 @pytest.mark.parametrize("where", ["first", "third"])
 def test_a_step_that_raises_inside_a_part_leaves_the_groups_whole(where, monkeypatch):
     """Rule 7: a step that raises inside a part (an allocation of its state that fails as its
@@ -642,7 +732,7 @@ def test_a_step_that_raises_inside_a_part_leaves_the_groups_whole(where, monkeyp
                 return empty(nbytes)
             monkeypatch.setattr(device, "empty", fails)
         else:                                   # the third part's body
-            body = torch.optim.AdamW.step.__wrapped__
+            body = _step_body()
 
             def fails(*args, **kwargs):
                 calls.append(1)

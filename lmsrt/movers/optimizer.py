@@ -76,7 +76,7 @@ from ..options import spelled
 from ..say import say_once
 from ..units import format_bytes
 from .placement import Placement
-from .streamed import Parts, may_cut, run_closure, state_to_come
+from .streamed import Parts, closure_of, may_cut, run_closure, state_to_come, with_closure
 
 __all__ = ["OptimizerMover", "MODES"]
 
@@ -92,7 +92,11 @@ class _Place:
 
     def __init__(self, slot, t: torch.Tensor):
         self.slot, self.dtype, self.size, self.stride = slot, t.dtype, t.size(), t.stride()
-        self.host = slot.tensor.view(t.dtype).as_strided(t.size(), t.stride())
+        # A tensor whose storage is the slot's bytes alone, not the whole slab: what
+        # torch.save and deepcopy of a state_dict write is the state, not the slab (through
+        # numpy, which wraps the memory without a copy and keeps the slab alive).
+        own = torch.from_numpy(slot.tensor.numpy())
+        self.host = own.view(t.dtype).as_strided(t.size(), t.stride())
 
     def fits(self, t: torch.Tensor) -> bool:
         return (t.dtype, t.size(), t.stride()) == (self.dtype, self.size, self.stride)
@@ -102,7 +106,7 @@ class _Tracked:
     """One optimizer as the mover sees it."""
 
     __slots__ = ("places", "moved", "fetched", "in_step", "created", "found", "peak_before",
-                 "at_step", "parts", "resident", "stays", "again", "__weakref__")
+                 "at_step", "parts", "resident", "stays", "again", "deferred", "__weakref__")
 
     def __init__(self):
         self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
@@ -117,6 +121,7 @@ class _Tracked:
         self.resident: set = set()  # ids of parameters whose state stays on the device (Rule 1)
         self.stays = False          # its step is compiled: its state stays on the device (Rule 8)
         self.again = False          # judged at the next step's end instead (cuDNN's search)
+        self.deferred = False       # that was done once
 
 
 class _HostState(collections.defaultdict):
@@ -204,7 +209,8 @@ class OptimizerMover:
             weakref.finalize(optimizer, _forget, weakref.ref(self), tracked)
         if tracked.parts is not None:           # the last step raised inside a part
             with self.lock:
-                self._end_parts(optimizer, tracked)
+                self._end_parts(optimizer, tracked.parts)
+                tracked.parts = None
         if compiled and not tracked.stays:
             self._stay(optimizer, tracked)      # Rule 8
         if tracked.stays:
@@ -215,10 +221,8 @@ class OptimizerMover:
         if tracked.moved:
             if not cut:
                 return None
-            per: Dict[int, int] = {}
-            for (pid, _), place in tracked.places.items():
-                per[pid] = per.get(pid, 0) + place.slot.nbytes
             args, kwargs = run_closure(args, kwargs)
+            per = self._part_sizes(optimizer, tracked)
         else:
             on_device = sum(t.untyped_storage().nbytes()
                             for _, _, _, t in self._on_device(optimizer, tracked))
@@ -229,7 +233,7 @@ class OptimizerMover:
             tracked.again = False
             if not (cut and tracked.created):
                 tracked.peak_before = self._peak_without(tracked)
-                return None
+                return self._peak_after_closure(tracked, args, kwargs)
             args, kwargs = run_closure(args, kwargs)     # what it holds counts (Rule 1)
             tracked.peak_before = self._peak_without(tracked)
             tracked.at_step = self.device.memory_allocated()
@@ -246,26 +250,50 @@ class OptimizerMover:
                 # The parts' copies in read what these write-backs write (Rule 3).
                 self._written_before = self._written
                 tracked.at_step -= on_device
-                per = {}
-                for (pid, _), place in tracked.places.items():
-                    per[pid] = per.get(pid, 0) + place.slot.nbytes
+                per = self._part_sizes(optimizer, tracked)
         parts = Parts.plan(optimizer, per, self.part_bytes)          # Rule 7
         if parts is not None:
             parts.begin(optimizer)
             tracked.parts = parts
         return args, kwargs
 
+    @staticmethod
+    def _part_sizes(optimizer, tracked: _Tracked) -> Dict[int, int]:
+        """Bytes of state by id of parameter, for a step's parts: on the host, or to be made by
+        this step (a parameter with no state yet that has a gradient now)."""
+        per: Dict[int, int] = {}
+        for (pid, _), place in tracked.places.items():
+            per[pid] = per.get(pid, 0) + place.slot.nbytes
+        to_come = state_to_come(optimizer)
+        for p in _in_groups(optimizer):
+            if id(p) in to_come and id(p) not in per and not dict.get(optimizer.state, p):
+                per[id(p)] = to_come[id(p)]
+        return per
+
+    def _peak_after_closure(self, tracked: _Tracked, args: tuple, kwargs: dict):
+        """A step's arguments whose closure, if any, reads the step's peak once forward and
+        backward ran in it (Rule 1 judges the step by that peak); None where it has none."""
+        closure = closure_of(args, kwargs)
+        if closure is None:
+            return None
+
+        def then_the_peak():
+            loss = closure()
+            tracked.peak_before = self._peak_without(tracked)
+            return loss
+        return with_closure(args, kwargs, then_the_peak)
+
     def _peak_without(self, tracked: _Tracked) -> int:
         """The step's peak so far, less the state found on the device (it was in it)."""
         peak = self.step_peak()
         return peak - min(tracked.found, peak)
 
-    def _end_parts(self, optimizer, tracked: _Tracked) -> None:
-        """After a step that raised inside a part: the groups whole again, and the part that
-        was coming in waited for (it is in the state dict, on the device)."""
-        parts, tracked.parts = tracked.parts, None
+    def _end_parts(self, optimizer, parts: Parts) -> None:
+        """The groups whole again, and the part that was coming in (after a part that raised)
+        waited for: it is in the state dict, on the device."""
         if parts.ahead is not None:
             parts.ahead.wait(self.device.current_stream())
+            parts.ahead = None
         parts.end(optimizer)
 
     def _stay(self, optimizer, tracked: _Tracked) -> None:
@@ -286,12 +314,12 @@ class OptimizerMover:
             return                  # its pre-hook ran before this mover was made
         tracked.in_step = False
         first = not tracked.moved or tracked.created
-        if (not tracked.moved and tracked.created and not tracked.found
+        if (not tracked.moved and tracked.created and not tracked.deferred
                 and self.mode == "auto" and self.device.tunes_algorithms()):
-            # The step that made the state also ran cuDNN's search, whose workspaces take what
-            # memory there is: its peak says nothing of the model's. The next step, with the
-            # algorithms chosen, is judged instead, its state counted as found.
-            tracked.again = True
+            # The step that made (or found) the state also ran cuDNN's search, whose workspaces
+            # take what memory there is: its peak says nothing of the model's. The next step,
+            # with the algorithms chosen, is judged instead, its state counted as found.
+            tracked.again = tracked.deferred = True
             return
         if not tracked.moved and not self._should_move(optimizer, tracked):
             return
@@ -311,7 +339,7 @@ class OptimizerMover:
                         optimizer, tracked, parts))
                     self._write_back(optimizer, tracked)        # the last part's
                 finally:
-                    parts.end(optimizer)
+                    self._end_parts(optimizer, parts)
                 if keep:
                     self._keep_resident(optimizer, tracked, tracked.at_step)
             self._sweep(optimizer, tracked)
@@ -364,7 +392,8 @@ class OptimizerMover:
             return
         if tracked.parts is not None:               # the last step raised inside a part
             with self.lock:
-                self._end_parts(optimizer, tracked)
+                self._end_parts(optimizer, tracked.parts)
+                tracked.parts = None
         if self._written is not None:               # Rule 5: its host bytes may be in flight
             self._written.synchronize()
             self._written = None
@@ -388,9 +417,9 @@ class OptimizerMover:
             if done is not None:
                 done.wait(compute)
 
-    def _bring(self, optimizer, tracked: _Tracked, params: list, compute, after):
-        """Start the copies in of the host tensors of ``params``' state, once the write event
-        ``after`` (if any) has passed; the last one's event, or None."""
+    def _bring(self, optimizer, tracked: _Tracked, params: Optional[list], compute, after):
+        """Start the copies in of the host tensors of ``params``' state (all of it: None), once
+        the write event ``after`` (if any) has passed; the last one's event, or None."""
         if after is not None:
             after.wait(self.copies.h2d)
         done = None
@@ -483,7 +512,7 @@ class OptimizerMover:
         write can reach a place: Rule 5 of NOTE [ Stream lifetimes ])."""
         compute = self.device.current_stream()
         try:
-            done = self._bring(optimizer, tracked, _in_groups(optimizer), compute, self._written)
+            done = self._bring(optimizer, tracked, None, compute, self._written)
         except torch.OutOfMemoryError:
             say_once("optimizer-state-close", f"lmsrt: {type(optimizer).__name__}'s state did "
                      "not fit back on the GPU: it stays in host memory, and the optimizer's next "
@@ -509,7 +538,8 @@ class OptimizerMover:
             _hooks.remove_user(self)
         for optimizer, tracked in list(self._tracked.items()):
             if tracked.parts is not None:
-                self._end_parts(optimizer, tracked)
+                self._end_parts(optimizer, tracked.parts)
+                tracked.parts = None
             if tracked.moved:
                 self._bring_back(optimizer, tracked)
         self._tracked.clear()

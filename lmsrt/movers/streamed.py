@@ -8,7 +8,7 @@ import torch
 
 from .. import params
 
-__all__ = ["Parts", "may_cut", "run_closure", "state_to_come"]
+__all__ = ["Parts", "closure_of", "may_cut", "run_closure", "state_to_come", "with_closure"]
 
 # torch.optim classes whose update of a parameter reads only that parameter, its gradient and
 # its own state, so that a step in parts does each parameter's arithmetic as the whole step
@@ -41,15 +41,20 @@ def state_to_come(optimizer) -> Dict[int, int]:
             for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
 
 
+def closure_of(args: tuple, kwargs: dict):
+    """The closure a step's (args, kwargs) pass (args[0] is the optimizer), or None."""
+    return args[1] if len(args) > 1 else kwargs.get("closure")
+
+
 def run_closure(args: tuple, kwargs: dict) -> tuple:
     """Run the step's closure now, as the step would (grad on), and give the step's (args,
     kwargs) with one that returns what it returned."""
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    closure = closure_of(args, kwargs)
     if closure is None:
         return args, kwargs
     with torch.enable_grad():
         ran = _Ran(closure())
-    return _with_closure(args, kwargs, ran)
+    return with_closure(args, kwargs, ran)
 
 
 class _Ran:
@@ -120,7 +125,7 @@ class Parts:
         self.foreach = [group.get("foreach", _ABSENT) for group in groups]
         for group in groups:
             if group.get("foreach", False) is None and not group.get("fused"):
-                group["foreach"] = _foreach_of(group)
+                group["foreach"] = _foreach_of(optimizer, group)
         self.narrow(optimizer)
 
     def narrow(self, optimizer) -> None:
@@ -147,7 +152,7 @@ class Parts:
         as the step's own body (no hooks: they ran once, around the whole), ``between()``
         before each. Whatever raises here, the post-hook's caller makes the groups whole."""
         body = type(optimizer).step.__wrapped__
-        args, kwargs = _with_closure(args, kwargs, None)
+        args, kwargs = with_closure(args, kwargs, None)
         for self.index in range(len(self.parts)):
             between()
             body(*args, **kwargs)
@@ -165,16 +170,21 @@ class Parts:
 _ABSENT = object()
 
 
-def _foreach_of(group: dict) -> bool:
+def _foreach_of(optimizer, group: dict) -> bool:
     """What torch's step would choose for ``group`` as a whole (``foreach=None``): the foreach
-    kernels where every parameter with a gradient suits them."""
+    kernels where every parameter with a gradient suits them; Adam's loop where its learning
+    rate is a tensor and it is not capturable (as ``torch.optim.adam.adam`` switches)."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
+    if (isinstance(optimizer, torch.optim.Adam) and torch.is_tensor(group.get("lr"))
+            and not group.get("capturable")):
+        return False
     stepped = [p for p in group["params"] if p.grad is not None]
     return _default_to_fused_or_foreach(stepped, group.get("differentiable", False),
                                         use_fused=False)[1]
 
 
-def _with_closure(args: tuple, kwargs: dict, closure) -> tuple:
+def with_closure(args: tuple, kwargs: dict, closure) -> tuple:
+    """The step's (args, kwargs) with ``closure`` in place of the one they pass."""
     if len(args) > 1:
         return (args[0], closure, *args[2:]), kwargs
     if "closure" in kwargs:
