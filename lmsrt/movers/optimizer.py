@@ -75,6 +75,7 @@ from .. import torch_patches
 from ..options import spelled
 from ..say import say_once
 from ..units import format_bytes
+from .host_state import HostState, Place
 from .placement import Placement
 from .streamed import Parts, closure_of, may_cut, run_closure, state_to_come, with_closure
 
@@ -85,23 +86,6 @@ MODES = ("auto", "host", "gpu")
 _movers: List["weakref.ref"] = []      # open movers of live engines, oldest first
 
 
-class _Place:
-    """Where one state tensor's bytes live on the host (Rule 2), and how to view them."""
-
-    __slots__ = ("slot", "dtype", "size", "stride", "host")
-
-    def __init__(self, slot, t: torch.Tensor):
-        self.slot, self.dtype, self.size, self.stride = slot, t.dtype, t.size(), t.stride()
-        # A tensor whose storage is the slot's bytes alone, not the whole slab: what
-        # torch.save and deepcopy of a state_dict write is the state, not the slab (through
-        # numpy, which wraps the memory without a copy and keeps the slab alive).
-        own = torch.from_numpy(slot.tensor.numpy())
-        self.host = own.view(t.dtype).as_strided(t.size(), t.stride())
-
-    def fits(self, t: torch.Tensor) -> bool:
-        return (t.dtype, t.size(), t.stride()) == (self.dtype, self.size, self.stride)
-
-
 class _Tracked:
     """One optimizer as the mover sees it."""
 
@@ -109,7 +93,7 @@ class _Tracked:
                  "at_step", "parts", "resident", "stays", "again", "deferred", "__weakref__")
 
     def __init__(self):
-        self.places: Dict[Tuple[int, str], _Place] = {}   # (id(param), key) -> its host place
+        self.places: Dict[Tuple[int, str], Place] = {}   # (id(param), key) -> its host place
         self.moved = False          # its state lives on the host between steps (Rule 1)
         self.fetched = False        # this step (or part) has brought its state in (Rule 3)
         self.in_step = False        # between its step's pre- and post-hook
@@ -122,42 +106,6 @@ class _Tracked:
         self.stays = False          # its step is compiled: its state stays on the device (Rule 8)
         self.again = False          # judged at the next step's end instead (cuDNN's search)
         self.deferred = False       # that was done once
-
-
-class _HostState(collections.defaultdict):
-    """``optimizer.state`` while its tensors may live on the host: reads go through the mover
-    (Rules 3, 5)."""
-
-    def __init__(self, mover: "OptimizerMover", optimizer, state: dict):
-        super().__init__(dict, state)
-        self._mover = weakref.ref(mover)
-        self._optimizer = weakref.ref(optimizer)
-
-    @torch.compiler.disable        # a compiled step reads through here eagerly: no guards on it
-    def _touch(self) -> None:
-        mover, optimizer = self._mover(), self._optimizer()
-        if mover is not None and optimizer is not None:
-            mover.reading(optimizer)
-
-    def __getitem__(self, key):
-        self._touch()
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self._touch()
-        return super().get(key, default)
-
-    def items(self):
-        self._touch()
-        return super().items()
-
-    def values(self):
-        self._touch()
-        return super().values()
-
-    def __reduce__(self):           # copied or pickled: a plain defaultdict of what it holds
-        self._touch()
-        return collections.defaultdict, (dict,), None, None, iter(dict.items(self))
 
 
 class OptimizerMover:
@@ -433,8 +381,8 @@ class OptimizerMover:
     def _write_back(self, optimizer, tracked: _Tracked) -> None:
         """Rule 4: every movable state tensor of the parameters in the groups out to its host
         place."""
-        if not isinstance(optimizer.state, _HostState) or optimizer.state._mover() is not self:
-            optimizer.state = _HostState(self, optimizer, optimizer.state)   # (a new dict)
+        if not isinstance(optimizer.state, HostState) or optimizer.state._mover() is not self:
+            optimizer.state = HostState(self, optimizer, optimizer.state)   # (a new dict)
         compute = self.device.current_stream()
         moving = [p for p in _in_groups(optimizer) if id(p) not in tracked.resident]
         for p, p_state, key, t in list(self._on_device(optimizer, tracked, moving)):
@@ -451,7 +399,7 @@ class OptimizerMover:
                              f"the GPU (said once; {spelled('host_budget_gb')} raises it).",
                              given=self._said)
                     continue
-                place = tracked.places[where] = _Place(slot, t)
+                place = tracked.places[where] = Place(slot, t)
             self._written = self.copies.copy_out(t.untyped_storage(), place.slot, compute)
             self.device.free_after(t, self.copies.d2h)              # Rule 4
             p_state[key] = place.host
@@ -523,7 +471,7 @@ class OptimizerMover:
         if done is not None:
             done.wait(compute)
         state = optimizer.state
-        if isinstance(state, _HostState):
+        if isinstance(state, HostState):
             optimizer.state = collections.defaultdict(dict, dict.items(state))
         for place in tracked.places.values():
             self.host.free(place.slot)
@@ -549,7 +497,7 @@ def _mover_of(optimizer) -> "OptimizerMover | None":
     """The mover of ``optimizer``'s steps: the one whose dict it holds while that one is open,
     else the newest open one (a script that makes a new LMS leaves its old one behind)."""
     state = optimizer.state
-    owner = state._mover() if isinstance(state, _HostState) else None
+    owner = state._mover() if isinstance(state, HostState) else None
     if owner is not None and not owner.closed:
         return owner
     _movers[:] = [ref for ref in _movers if ref() is not None and not ref().closed]
