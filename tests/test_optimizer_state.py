@@ -62,6 +62,13 @@ def _train(kind, name, lms=None, steps=4, closure=False, probe=None, stack=0, ba
     model = _model(dev, stack)
     opt = OPTIMIZERS[name](model.parameters())
     x = torch.randn(batch, 64, device=dev)
+    return _loop(model, opt, x, lms, steps, closure=closure, probe=probe), opt, model
+
+
+def _loop(model, opt, x, lms, steps, closure=False, probe=None, step=None):
+    """``steps`` steps of ``model`` on ``x`` (forward under ``lms``), each stepping ``opt``
+    (through ``step``, a compiled one, if given); each step's parameters."""
+    step = step or opt.step
 
     def forward_backward():
         opt.zero_grad(set_to_none=True)
@@ -75,12 +82,12 @@ def _train(kind, name, lms=None, steps=4, closure=False, probe=None, stack=0, ba
     seen = []
     for _ in range(steps):
         if closure:
-            opt.step(forward_backward)
+            step(forward_backward)
         else:
             forward_backward()
-            opt.step()
+            step()
         seen.append([p.detach().clone() for p in model.parameters()])
-    return seen, opt, model
+    return seen
 
 
 def _assert_same_params(ref, got):
@@ -308,15 +315,7 @@ def test_a_compiled_optimizer_steps_state_stays_where_it_compiled(caplog):
         model = _model(torch.device("cpu"), 256)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         step = torch.compile(opt.step, backend="eager")
-        x = torch.randn(32, 64)
-        seen = []
-        for _ in range(steps):
-            opt.zero_grad()
-            with lms or contextlib.nullcontext():
-                loss = model(x).square().mean()
-            loss.backward()
-            step()
-            seen.append([p.detach().clone() for p in model.parameters()])
+        seen = _loop(model, opt, torch.randn(32, 64), lms, steps, step=step)
         return seen, opt, dict(counters["stats"])
 
     ref, _, compiled = run(None)
@@ -674,15 +673,7 @@ def test_state_loaded_before_the_first_step_moves_exactly(limit):
         if state is not None:           # (load_state_dict keeps the tensors it is given)
             model.load_state_dict(state[0])
             opt.load_state_dict(copy.deepcopy(state[1]))
-        x = torch.randn(32, 64)
-        seen = []
-        for _ in range(steps):
-            opt.zero_grad()
-            with lms or contextlib.nullcontext():
-                loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            seen.append([p.detach().clone() for p in model.parameters()])
+        seen = _loop(model, opt, torch.randn(32, 64), lms, steps)
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         return seen, saved, opt
 
