@@ -22,7 +22,7 @@ optimizer steps and brings them back for the step:
     with the least of it, up to what fits beside that peak with a margin
     (``policy.room_beside``; after a step in parts, also beside what the step began with and
     its next parts), stays on the device for the run, the rest moves each step. The choice
-    holds for the run.
+    holds for the run. (The arithmetic of these answers: placement.py.)
   Rule 2 (what). Each tensor of the state on this device, of ``lms`` KiB or more, that is its
     storage's whole (``exp_avg``, ``momentum_buffer``; not Adam's ``step`` scalar). Its bytes
     have a slot of the pool for the run; the state dict then holds a CPU tensor over that slot.
