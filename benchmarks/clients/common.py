@@ -154,6 +154,14 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
+def run_script(parse: Callable[[], object], train: Callable, client: str) -> None:
+    """A client's command line: its flags (``parse()``), the cap, then ``train(args, timer=...)``
+    under ``finish``."""
+    args = parse()
+    cap_gpu(args.gpu_limit)
+    finish(args, lambda timer: train(args, timer=timer), client)
+
+
 def finish(args, run: Callable[[StepTimer], object], client: str) -> None:
     """Run ``run(timer)``, write ``args.json``, and exit 3 after an out-of-memory error."""
     timer = StepTimer()

@@ -16,7 +16,7 @@ times leave the evaluations out.
 import argparse
 
 import torch
-from common import add_flags, cap_gpu, device, finish, maybe, seed_all
+from common import add_flags, device, maybe, run_script, seed_all
 from nanogpt import GPT, GPTConfig
 
 
@@ -117,11 +117,5 @@ def parse(argv=None):
     return args
 
 
-def main():
-    args = parse()
-    cap_gpu(args.gpu_limit)
-    finish(args, lambda timer: train(args, timer=timer), "gpt2_script")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(parse, train, "gpt2_script")

@@ -14,7 +14,7 @@ import argparse
 import tempfile
 
 import torch
-from common import add_flags, cap_gpu, device, finish, llama, maybe
+from common import add_flags, device, llama, maybe, run_script
 from torch.utils.data import Dataset
 
 
@@ -89,11 +89,5 @@ def parse(argv=None):
     return args
 
 
-def main():
-    args = parse()
-    cap_gpu(args.gpu_limit)
-    finish(args, lambda timer: train(args, timer=timer), "hf_trainer")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(parse, train, "hf_trainer")

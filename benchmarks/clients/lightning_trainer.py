@@ -18,7 +18,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from common import add_flags, cap_gpu, device, finish, maybe
+from common import add_flags, device, maybe, run_script
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
@@ -129,11 +129,5 @@ def parse(argv=None):
     return args
 
 
-def main():
-    args = parse()
-    cap_gpu(args.gpu_limit)
-    finish(args, lambda timer: train(args, timer=timer), "lightning_trainer")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(parse, train, "lightning_trainer")

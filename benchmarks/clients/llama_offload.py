@@ -19,7 +19,7 @@ CPU.)
 import argparse
 
 import torch
-from common import add_flags, cap_gpu, device, finish, llama, maybe
+from common import add_flags, device, llama, maybe, run_script
 
 
 def _one_process_group(dev: torch.device) -> None:
@@ -92,11 +92,5 @@ def parse(argv=None):
     return args
 
 
-def main():
-    args = parse()
-    cap_gpu(args.gpu_limit)
-    finish(args, lambda timer: train(args, timer=timer), "llama_offload")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(parse, train, "llama_offload")

@@ -15,7 +15,7 @@ built (it is not in lmsrt's [clients] extra: it pulls a CUDA torch onto CPU mach
 import argparse
 
 import torch
-from common import add_flags, cap_gpu, device, finish, image_batches, maybe, seed_all
+from common import add_flags, device, image_batches, maybe, run_script, seed_all
 
 
 def build(args):
@@ -80,11 +80,5 @@ def parse(argv=None):
     return args
 
 
-def main():
-    args = parse()
-    cap_gpu(args.gpu_limit)
-    finish(args, lambda timer: train(args, timer=timer), "timm_train")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(parse, train, "timm_train")

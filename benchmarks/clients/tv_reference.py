@@ -17,7 +17,7 @@ classes, batch 4 of 3 x 32 x 32, no AMP.
 import argparse
 
 import torch
-from common import add_flags, cap_gpu, device, finish, image_batches, maybe, seed_all
+from common import add_flags, device, image_batches, maybe, run_script, seed_all
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
@@ -94,11 +94,5 @@ def parse(argv=None):
     return args
 
 
-def main():
-    args = parse()
-    cap_gpu(args.gpu_limit)
-    finish(args, lambda timer: train(args, timer=timer), "tv_reference")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(parse, train, "tv_reference")
