@@ -2,9 +2,10 @@
 lmsrt, the step timer, and the JSON it writes, out of memory included.
 
 A client is a library's own training loop written as a user writes it (hf_trainer.py,
-gpt2_script.py, ...), with ``build(args)``, ``train(args, lms=None)`` and ``main()``; its
-``main()`` ends in ``finish(args, run)``, which runs ``train``, catches an out-of-memory error
-and writes ``--json``:
+gpt2_script.py, ...), with ``parse(argv)`` and ``train(args, lms=None, timer=None)``; run as
+a script it calls ``run_script(parse, train, name)``, which caps the GPU and calls
+``finish(args, run)``, which runs ``train``, catches an out-of-memory error and writes
+``--json``:
 
     {"client", "argv", "outcome": "ok" | "oom", "message", "oom_step", "step_times_s",
      "losses", "peak_bytes", "peak_gib", "device", "torch", "versions", "lmsrt_active"}
