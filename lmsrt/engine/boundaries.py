@@ -181,7 +181,7 @@ class StepBoundaries:
     def _finish_step(self) -> None:
         s = self.step
         s.cpu_s = time.process_time() - self.state.cpu_before
-        s.gpu_peak_bytes = max(self.device.peak_allocated(), self.state.step_peak)
+        s.gpu_peak_bytes = self.step_peak()
         self._read_figures(s)
         if self.memo is not None:
             self.memo.saw(self.host.used_slabs())
@@ -218,6 +218,11 @@ class StepBoundaries:
             return set()
         trusted = self.rebuilds.trusted
         return {i for i, sig in self.state.sigs.items() if sig in trusted}
+
+    def step_peak(self) -> int:
+        """The peak of the step in flight so far, resets of the device's counter inside it
+        included."""
+        return max(self.device.peak_allocated(), self.state.step_peak)
 
     def current_step(self) -> StepStats:
         """The step in flight, with its peaks read now."""

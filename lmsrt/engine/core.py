@@ -41,7 +41,7 @@ def _no_entry(t: torch.Tensor) -> None:
 
 def _step_peak(engine) -> int:
     """The peak of ``engine``'s step so far (0 once it is gone)."""
-    return 0 if engine is None else max(engine.device.peak_allocated(), engine.state.step_peak)
+    return 0 if engine is None else engine.step_peak()
 
 
 class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffload, SwapOut,
@@ -138,7 +138,7 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         self.diagnostics.annotate_oom(
             exc, where, config=self.config, policy=self.policy, step=self.step,
             allocated=device.memory_allocated(),
-            peak=max(device.peak_allocated(), self.state.step_peak), limit=self.limit,
+            peak=self.step_peak(), limit=self.limit,
             largest=self.state.largest, host_refused=self.host.refused,
             optimizer_on_host=self.optimizer_mover.figures()["optimizer_host_bytes"])
 

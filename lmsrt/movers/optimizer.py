@@ -72,7 +72,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import torch_patches
-from ..options import spelled
+from ..options import OPTIONS, spelled
 from ..say import say_once
 from ..units import format_bytes
 from .host_state import HostState, Place
@@ -81,7 +81,7 @@ from .streamed import Parts, closure_of, may_cut, run_closure, state_to_come, wi
 
 __all__ = ["OptimizerMover", "MODES"]
 
-MODES = ("auto", "host", "gpu")
+MODES = OPTIONS["optimizer_state"].words     # ("auto", "host", "gpu")
 
 _movers: List["weakref.ref"] = []      # open movers of live engines, oldest first
 
@@ -261,7 +261,6 @@ class OptimizerMover:
         if tracked is None or not tracked.in_step:
             return                  # its pre-hook ran before this mover was made
         tracked.in_step = False
-        first = not tracked.moved or tracked.created
         if (not tracked.moved and tracked.created and not tracked.deferred
                 and self.mode == "auto" and self.device.tunes_algorithms()):
             # The step that made (or found) the state also ran cuDNN's search, whose workspaces
@@ -275,7 +274,7 @@ class OptimizerMover:
         parts, tracked.parts = tracked.parts, None
         # What may stay on the device, chosen where all of the state the step made is at hand:
         # on the device before its write-back, or on the host after a step in parts.
-        keep = first and tracked.created and self.mode == "auto"
+        keep = tracked.created and self.mode == "auto"
         if keep and parts is None:
             self._keep_resident(optimizer, tracked, None)
         tracked.created = False
