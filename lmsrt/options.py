@@ -89,6 +89,9 @@ def _check_word(name: str, words: Tuple[str, ...]) -> Callable[[object], str]:
     return word
 
 
+_STATE_PLACES = (AUTO, "host", "gpu")      # optimizer_state's words
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One setting. A number unless ``check`` replaces the number check (``device``): a byte
@@ -169,8 +172,8 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
            what="auto, host or gpu", example="host", metavar="auto|host|gpu",
            help="Keep optimizer state in host memory between optimizer steps: auto (where it "
                 "would not fit), host (always) or gpu (never).",
-           give="auto, host or gpu", words=(AUTO, "host", "gpu"),
-           check=_check_word("optimizer_state", (AUTO, "host", "gpu"))),
+           give="auto, host or gpu", words=_STATE_PLACES,
+           check=_check_word("optimizer_state", _STATE_PLACES)),
     Option("pin_ahead", True, bool, "LMSRT_PIN_AHEAD", "--pin-ahead",
            doc="as the LMS is created, start pinning (in the background) the host memory that "
                "the last run of the same command, GPU, cap and settings used, remembered under "
