@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def _loop(model, opt, x, lms, steps, closure=False, probe=None, step=None):
 def _assert_same_params(ref, got):
     for step, (a, b) in enumerate(zip(ref, got)):
         for i, (pa, pb) in enumerate(zip(a, b)):
-            assert torch.equal(pa, pb), f"step {step + 1}, parameter {i} differs"
+            assert torch.equal(pa.cpu(), pb.cpu()), f"step {step + 1}, parameter {i} differs"
 
 
 def _host_tensors(opt, least=64 << 10):
@@ -241,6 +242,7 @@ def _limited(kind, nbytes, mode="host"):
                         optimizer_state=mode)
         return
     total = torch.cuda.get_device_properties(0).total_memory
+    gc.collect()                # what earlier tests left in cycles, off the capped GPU
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(nbytes / total)
@@ -840,3 +842,23 @@ def test_the_plan_of_saved_tensors_is_judged_by_the_training_pass_not_the_update
     assert min(peaks[2:]) > policy.bound, (peaks, policy.bound)
     assert max(corrections) <= 0, (corrections, notes)
     assert not any("passed the bound" in n for n in notes), notes
+
+
+def test_a_steps_parts_are_sized_by_the_room_beside_it():
+    """Rule 9: a fifth of the room beside what the step begins with, a sixteenth of the limit
+    at most, an eighth of that at least."""
+    from lmsrt.movers.placement import Placement
+    from lmsrt.policy.protocol import LimitShares
+
+    class Limit(LimitShares):
+        def __init__(self, limit):
+            self.limit = limit
+
+    gib = 1 << 30
+    shares = Limit(16 * gib)
+    placement = Placement("auto", shares.step_fits, shares.room_beside, part_bytes=gib)
+    assert placement.part_size(0) == gib
+    room = shares.room_beside(11 * gib)
+    assert 0 < room < 5 * gib
+    assert placement.part_size(11 * gib) == room // 5 < gib
+    assert placement.part_size(16 * gib) == gib >> 3

@@ -199,13 +199,12 @@ class StepBoundaries:
         # Judged by its training pass, not the optimizer's update after it (NOTE [ Optimizer
         # state on the host ], Rule 9).
         mark = self.optimizer_mover.pass_mark
-        peak, retries = ((mark[0], mark[1] - self.state.retries_before) if mark is not None
-                         else (s.gpu_peak_bytes, s.alloc_retries))
+        peak = s.gpu_peak_bytes if mark is None else mark
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self.state.forward_end_use,
                                 swapped=self._swapped_last,
                                 beyond_plan=self.state.beyond_plan, peak=peak,
-                                retries=retries, failures=s.alloc_failures,
+                                retries=s.alloc_retries, failures=s.alloc_failures,
                                 over=self.state.over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
         self.state.rec = None

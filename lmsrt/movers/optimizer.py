@@ -64,13 +64,18 @@ optimizer steps and brings them back for the step:
     keeps the tensors it was compiled with: state brought back each step would recompile it
     each step and hold every old copy. Its state stays on the device (brought back for good if
     it had moved), said once.
-  Rule 9 (what the engine is judged by). The step's peak and allocator retries as the
-    optimizer's first read finds them (after a closure's forward and backward) are the training
-    pass's (``pass_mark``): the engine's policy plans its saved tensors from those, not from the
-    whole step's, whose update (state brought in, parts, temporaries) no plan of saved tensors
-    can change, and which these rules keep under the limit themselves. (Judged by the whole
-    step's, a 1.5B Llama's update in parts, 3.7 GiB over its training pass, raised the plan's
-    correction by 0.9 GiB every step, without end.)
+  Rule 9 (what the engine is judged by). The step's peak as the optimizer's first read finds
+    it (after a closure's forward and backward) is the training pass's (``pass_mark``): the
+    engine's policy corrects its plan of saved tensors by that, not by the whole step's, whose
+    update (state brought in, parts, temporaries) no plan of saved tensors can lower. (Judged by
+    the whole step's, a 1.5B Llama's update in parts, 3.7 GiB over its training pass at a 16
+    GiB cap, raised the plan's correction by 0.9 GiB every step, without end.) The allocator's
+    retries count the whole step's: room the update needed beside the pass's cache is room
+    the pass must leave. And a step's parts are sized by the room beside what is allocated
+    when it begins (``Placement.part_size``): a fifth of it each (three held, the update's
+    temporaries, the allocator's slack), a sixteenth of the limit at most. (With parts of a
+    sixteenth, the Llama's update held 3.9 GiB beside 11 GiB of parameters and gradients and
+    ran out of memory at the cap in its eleventh step.)
 
 Exact: the optimizer's arithmetic is the same, on the same bytes.
 """
@@ -147,7 +152,7 @@ class OptimizerMover:
         self._written_before = None   # and the last one before the step in flight began
         self._said: set = set()
         self.in_bytes = self.out_bytes = 0       # this step's
-        self.pass_mark: Optional[Tuple[int, int]] = None     # (peak, retries): Rule 9
+        self.pass_mark: Optional[int] = None     # the training pass's peak: Rule 9
         self.closed = False
         # Every mover is in the list, so that the newest LMS decides ("gpu" included); the
         # hooks are made for the ones that move.
@@ -213,7 +218,8 @@ class OptimizerMover:
                 self._written_before = self._written
                 tracked.at_step -= on_device
                 per = self._part_sizes(optimizer, tracked)
-        parts = Parts.plan(optimizer, per, self.part_bytes)          # Rule 7
+        parts = Parts.plan(optimizer, per,                           # Rules 7, 9
+                           self.placement.part_size(self.device.memory_allocated()))
         if parts is not None:
             parts.begin(optimizer)
             tracked.parts = parts
@@ -252,7 +258,7 @@ class OptimizerMover:
     def _mark_pass(self) -> None:
         """Rule 9: the training pass of the engine's step ends at the first optimizer's read."""
         if self.pass_mark is None:
-            self.pass_mark = (self.step_peak(), self.device.alloc_retries())
+            self.pass_mark = self.step_peak()
 
     def _peak_without(self, tracked: _Tracked) -> int:
         """The step's peak so far, less the state found on the device (it was in it)."""

@@ -35,6 +35,12 @@ class Placement:
         it."""
         return self.mode == "host" or (made > 0 and not self.fits(peak + made))
 
+    def part_size(self, allocated: int) -> int:
+        """Bytes of state a part of a step in parts holds, the step beginning with ``allocated``
+        (Rule 9): a fifth of the room beside it (three parts held, the update's temporaries,
+        the allocator's slack), ``part_bytes`` at most, an eighth of that at least."""
+        return min(self.part_bytes, max(self.part_bytes >> 3, self.room(allocated) // 5))
+
     def stays(self, sizes: Dict[int, int], peak: int, began: Optional[int] = None) -> Set[int]:
         """Of the state just moved (``sizes``: bytes by id of parameter), the parameters whose
         state stays on the device from now on: none under "host"; under "auto" the smallest,
