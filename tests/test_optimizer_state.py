@@ -782,8 +782,8 @@ def test_a_resumed_run_moves_the_state_it_loads_as_the_first_run_did():
             opt.step()
         return model, opt
 
-    ref, _ = run(None, 4)
-    ref = [p.detach().cpu() for p in ref.parameters()]     # off the GPU capped below
+    # On the CPU, the reference run's optimizer dropped: off the GPU capped below.
+    ref = [p.detach().cpu() for p in run(None, 4)[0].parameters()]
     with _limited("cuda", 512 << 20, mode="auto") as lms:
         model, opt = run(lms, 2)
         first = lms.stats()["last_step"]["optimizer_host_bytes"]
