@@ -763,9 +763,11 @@ def test_closing_the_lms_gives_the_pinned_memory_back():
 
 @pytest.mark.cuda
 def test_a_resumed_run_moves_the_state_it_loads_as_the_first_run_did():
-    """Rule 1: under a GPU capped at 512 MiB, AdamW's 384 MiB of state beside 384 MiB of
-    parameters and gradients must leave; a run resumed from a state dict (loaded before its
-    first step, as the Trainer and Lightning resume) moves it as the first run did, exactly."""
+    """Rule 1: a run resumed from a state dict (loaded before its first step, as the Trainer and
+    Lightning resume) moves the state it finds on the GPU as the first run moved the state it
+    made: AdamW's 384 MiB beside 192 MiB of parameters under a GPU capped at 1 GiB, in host
+    mode (torch's load_state_dict puts the state on the parameters' device, so the cap must
+    hold it there through one forward and backward: 768 MiB), exactly."""
     def run(lms, steps, state=None, params=None):
         model = _model(torch.device("cuda"), 2048)
         if params is not None:
@@ -784,12 +786,12 @@ def test_a_resumed_run_moves_the_state_it_loads_as_the_first_run_did():
 
     # On the CPU, the reference run's optimizer dropped: off the GPU capped below.
     ref = [p.detach().cpu() for p in run(None, 4)[0].parameters()]
-    with _limited("cuda", 512 << 20, mode="auto") as lms:
+    with _limited("cuda", 1 << 30) as lms:
         model, opt = run(lms, 2)
         first = lms.stats()["last_step"]["optimizer_host_bytes"]
         state = copy.deepcopy(opt.state_dict())
         params = copy.deepcopy(model.state_dict())
-    with _limited("cuda", 512 << 20, mode="auto") as lms:
+    with _limited("cuda", 1 << 30) as lms:
         model, opt = run(lms, 2, state, params)
         assert first > 0 and lms.stats()["last_step"]["optimizer_host_bytes"] > 0
     for a, b in zip(ref, model.parameters()):
@@ -862,3 +864,28 @@ def test_a_steps_parts_are_sized_by_the_room_beside_it():
     assert 0 < room < 5 * gib
     assert placement.part_size(11 * gib) == room // 5 < gib
     assert placement.part_size(16 * gib) == gib >> 3
+
+
+def test_parts_larger_than_a_fifth_of_the_room_are_held_two_at_a_time():
+    """Rule 9: where a part (one parameter's state) is more than a fifth of the room, a part's
+    copies in wait for the write-back of the part just before it, not two before."""
+    from lmsrt.movers.placement import Placement
+    from lmsrt.movers.streamed import Parts
+
+    mib = 1 << 20
+    placement = Placement("auto", lambda peak: True, lambda peak: 512 * mib - peak,
+                          part_bytes=32 * mib)
+    assert placement.depth(384 * mib, 32 * mib) == 2       # 128 MiB of room: four parts
+    assert placement.depth(400 * mib, 32 * mib) == 1       # 112 MiB: three
+    model = _model(torch.device("cpu"), 256)
+    opt = torch.optim.AdamW(model.parameters())
+    per = {id(p): 2 * p.numel() * p.element_size() for p in model.parameters()}
+    parts = Parts.plan(opt, per, part_bytes=1 << 20)
+    assert parts.largest == max(sum(per[id(p)] for group in part for p in group)
+                                for part in parts.parts) >= 1 << 19
+    parts.written = ["first", "second", "third"]
+    assert parts.paced_by("before") == "second"
+    parts.depth = 1
+    assert parts.paced_by("before") == "third"
+    parts.written = []
+    assert parts.paced_by("before") == "before"

@@ -75,7 +75,9 @@ optimizer steps and brings them back for the step:
     when it begins (``Placement.part_size``): a fifth of it each (three held, the update's
     temporaries, the allocator's slack), a sixteenth of the limit at most. (With parts of a
     sixteenth, the Llama's update held 3.9 GiB beside 11 GiB of parameters and gradients and
-    ran out of memory at the cap in its eleventh step.)
+    ran out of memory at the cap in its eleventh step.) Where one parameter's state is more
+    than a fifth of that room (a part cannot be smaller), a part's copies in wait for the
+    write-back of the part just before it: two parts held, not three (``Placement.depth``).
 
 Exact: the optimizer's arithmetic is the same, on the same bytes.
 """
@@ -218,9 +220,10 @@ class OptimizerMover:
                 self._written_before = self._written
                 tracked.at_step -= on_device
                 per = self._part_sizes(optimizer, tracked)
-        parts = Parts.plan(optimizer, per,                           # Rules 7, 9
-                           self.placement.part_size(self.device.memory_allocated()))
+        allocated = self.device.memory_allocated()
+        parts = Parts.plan(optimizer, per, self.placement.part_size(allocated))   # Rules 7, 9
         if parts is not None:
+            parts.depth = self.placement.depth(allocated, parts.largest)
             parts.begin(optimizer)
             tracked.parts = parts
         return args, kwargs

@@ -41,6 +41,13 @@ class Placement:
         the allocator's slack), ``part_bytes`` at most, an eighth of that at least."""
         return min(self.part_bytes, max(self.part_bytes >> 3, self.room(allocated) // 5))
 
+    def depth(self, allocated: int, largest: int) -> int:
+        """How many parts before the one running a part's copies in wait for (Rule 9): 2
+        (three parts held) where the room beside ``allocated`` holds four of the ``largest``
+        (three and the update's temporaries), else 1 (two held: a part's state is one
+        parameter's, larger than a fifth of the room)."""
+        return 2 if self.room(allocated) >= 4 * largest else 1
+
     def stays(self, sizes: Dict[int, int], peak: int, began: Optional[int] = None) -> Set[int]:
         """Of the state just moved (``sizes``: bytes by id of parameter), the parameters whose
         state stays on the device from now on: none under "host"; under "auto" the smallest,

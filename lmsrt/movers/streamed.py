@@ -90,6 +90,9 @@ class Parts:
         self.ahead = None
         self.written: list = []             # the write-back event of each part that ran
         self.foreach: list = []             # each group's own foreach setting
+        self.largest = 0                    # bytes of state of the largest part
+        self.depth = 2                      # a part's copies in wait for the write-back this
+                                            # many parts before (three held; 1: two)
 
     @classmethod
     def plan(cls, optimizer, per: Dict[int, int], part_bytes: int) -> Optional["Parts"]:
@@ -108,7 +111,12 @@ class Parts:
                 part[g].append(p)
                 size += nbytes
         parts.append(part)
-        return cls(parts) if len(parts) > 1 else None
+        if len(parts) == 1:
+            return None
+        made = cls(parts)
+        made.largest = max(sum(per.get(id(p), 0) for group in part for p in group)
+                           for part in parts)
+        return made
 
     def begin(self, optimizer) -> None:
         """In the step's pre-hook, after the closure ran with the groups whole (``run_closure``):
@@ -136,10 +144,11 @@ class Parts:
 
     def paced_by(self, before):
         """What the copies in of the part after the one running wait for: the write-back of
-        the part two before the one running (its blocks are let go as it lands, so that about
-        three parts are held: one going out, one running, one coming in), else ``before``, the
-        last write-back before the step."""
-        return self.written[-2] if len(self.written) >= 2 else before
+        the part ``depth`` before the one running (its blocks are let go as it lands, so that
+        about three parts are held at depth 2: one going out, one running, one coming in; two at
+        depth 1), else ``before``, the last write-back before the step."""
+        depth = self.depth
+        return self.written[-depth] if len(self.written) >= depth else before
 
     def following(self) -> list:
         """The parameters of the part after the one running (none after the last)."""
