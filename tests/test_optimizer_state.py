@@ -889,3 +889,44 @@ def test_parts_larger_than_a_fifth_of_the_room_are_held_two_at_a_time():
     assert parts.paced_by("before") == "third"
     parts.written = []
     assert parts.paced_by("before") == "before"
+
+
+def test_a_parts_blocks_are_asked_for_once_the_write_back_before_has_landed():
+    """Rule 7: before the blocks of the part after the one running are asked for, the host
+    waits for the write-back two parts before (a wait queued on the copy stream alone lets the
+    host run ahead of the GPU, and the allocator, finding those blocks still in flight, frees
+    its cache to go on): between parts, the host's waits, each before the blocks."""
+    with _limited("sim", 16 << 20) as lms:
+        lagging = _lagging(lms)
+        mover = lms._engine.optimizer_mover
+        log, between = [], [False]
+        wait = _Lagging._Event.wait
+
+        class Event(_Lagging._Event):
+            def synchronize(self):
+                if between[0]:
+                    log.append(("host waits", self.index, lagging.done))
+                wait(self)
+        lagging._Event = Event
+        empty, next_part = mover.device.empty, mover._next_part
+
+        def asking(nbytes):
+            if between[0]:
+                log.append(("asks", nbytes, lagging.done))
+            return empty(nbytes)
+
+        def next_part_logged(*args):
+            between[0] = True
+            try:
+                next_part(*args)
+            finally:
+                between[0] = False
+        mover.device.empty, mover._next_part = asking, next_part_logged
+        _state_peaks(lms, "adamw", steps=3)
+    waits = [entry for entry in log if entry[0] == "host waits"]
+    # Parts of 1 MiB of 6 MiB of state: from the third part of each later step on.
+    assert len(waits) >= 2 * 3, log
+    for k, entry in enumerate(log):
+        if entry[0] == "asks":
+            earlier = [e for e in log[:k] if e[0] == "host waits"]
+            assert not earlier or entry[2] >= earlier[-1][1], log
