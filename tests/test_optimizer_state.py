@@ -930,3 +930,51 @@ def test_a_parts_blocks_are_asked_for_once_the_write_back_before_has_landed():
         if entry[0] == "asks":
             earlier = [e for e in log[:k] if e[0] == "host waits"]
             assert not earlier or entry[2] >= earlier[-1][1], log
+
+
+class _Workspace(torch.autograd.Function):
+    """The identity, whose backward takes ``nbytes`` of the simulated device for a while (a
+    backward's workspace)."""
+
+    @staticmethod
+    def forward(ctx, x, device, nbytes):
+        ctx.device, ctx.nbytes = device, nbytes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.device.empty(ctx.nbytes)
+        return grad, None, None
+
+
+def test_a_backward_after_one_optimizers_step_is_judged_with_the_training_pass():
+    """Rule 9, a GAN's loop: the generator's forward under the LMS, the discriminator's step,
+    then the generator's backward (its peak: a 16 MiB workspace) and its step. The training
+    pass the policy is judged by holds that backward, though it came after the first
+    optimizer's read."""
+    from lmsrt.device import SimulatedDevice
+
+    torch.manual_seed(0)
+    device = SimulatedDevice(capacity=64 << 20)
+    lms = lmsrt.LMS(device=device, lms=64, optimizer_state="host")
+    gen = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    disc = torch.nn.Linear(64, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-2)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-2)
+    policy, judged = lms._engine.policy, []
+    finish = policy.finish_step
+
+    def finish_step(plan, **figures):
+        judged.append(figures["peak"])
+        return finish(plan, **figures)
+    policy.finish_step = finish_step
+    for _ in range(4):
+        with lms:
+            fake = _Workspace.apply(gen(torch.randn(32, 64)), device, 16 << 20)
+        opt_d.zero_grad()
+        disc(fake.detach()).sum().backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        disc(fake).sum().backward()
+        opt_g.step()
+    assert judged and all(peak >= 16 << 20 for peak in judged), judged

@@ -65,10 +65,12 @@ optimizer steps and brings them back for the step:
     each step and hold every old copy. Its state stays on the device (brought back for good if
     it had moved), said once.
   Rule 9 (what the engine is judged by). The step's peak as the optimizer's first read finds
-    it (after a closure's forward and backward) is the training pass's (``pass_mark``): the
-    engine's policy corrects its plan of saved tensors by that, not by the whole step's, whose
-    update (state brought in, parts, temporaries) no plan of saved tensors can lower. (Judged by
-    the whole step's, a 1.5B Llama's update in parts, 3.7 GiB over its training pass at a 16
+    it (after a closure's forward and backward) is the training pass's (``pass_mark``; read
+    again at a later read that finds the peak past the one seen at the last read or update's
+    end: a backward after one optimizer's step, as a GAN's loop has): the engine's policy
+    corrects its plan of saved tensors by that, not by the whole step's, whose update (state
+    brought in, parts, temporaries) no plan of saved tensors can lower. (Judged by the whole
+    step's, a 1.5B Llama's update in parts, 3.7 GiB over its training pass at a 16
     GiB cap, raised the plan's correction by 0.9 GiB every step, without end.) The allocator's
     retries count the whole step's: room the update needed beside the pass's cache is room
     the pass must leave. And a step's parts are sized by the room beside what is allocated
@@ -147,7 +149,6 @@ class OptimizerMover:
         self.device, self.copies, self.host, self.lock = device, copies, host, lock
         self.min_bytes, self.mode = min_bytes, mode
         self.step_peak = step_peak
-        self.part_bytes = part_bytes  # of state per part of a streamed step (Rule 7)
         self.placement = Placement(mode, fits, room, part_bytes)     # Rule 1
         self._tracked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._written = None          # the last write-back's event (Rules 3, 5)
@@ -155,6 +156,7 @@ class OptimizerMover:
         self._said: set = set()
         self.in_bytes = self.out_bytes = 0       # this step's
         self.pass_mark: Optional[int] = None     # the training pass's peak: Rule 9
+        self.peak_seen: Optional[int] = None     # the step's, at that mark or an update's end
         self.closed = False
         # Every mover is in the list, so that the newest LMS decides ("gpu" included); the
         # hooks are made for the ones that move.
@@ -259,9 +261,9 @@ class OptimizerMover:
         return with_closure(args, kwargs, then_the_peak)
 
     def _mark_pass(self) -> None:
-        """Rule 9: the training pass of the engine's step ends at the first optimizer's read."""
-        if self.pass_mark is None:
-            self.pass_mark = self.step_peak()
+        """Rule 9: at the first optimizer's read, and a later one past the peak seen."""
+        if self.pass_mark is None or self.step_peak() > self.peak_seen:
+            self.pass_mark = self.peak_seen = self.step_peak()
 
     def _peak_without(self, tracked: _Tracked) -> int:
         """The step's peak so far, less the state found on the device (it was in it)."""
@@ -487,7 +489,7 @@ class OptimizerMover:
 
     def new_step(self) -> None:
         self.in_bytes = self.out_bytes = 0
-        self.pass_mark = None
+        self.pass_mark = self.peak_seen = None
 
     def _bring_back(self, optimizer, tracked: _Tracked) -> None:
         """Rules 6 and 8: the state of ``optimizer`` back on the device in a plain dict, its
@@ -581,7 +583,10 @@ def _pre_eager(optimizer, args, kwargs, compiled: bool) -> Optional[tuple]:
 def _post(optimizer, args, kwargs) -> None:
     mover = _mover_of(optimizer)
     if mover is not None:
-        mover.after_step(optimizer, args, kwargs)
+        try:
+            mover.after_step(optimizer, args, kwargs)
+        finally:
+            mover.peak_seen = mover.step_peak()        # Rule 9: the update is over
 
 
 # Made while a mover is open (torch_patches.py, NOTE [ What lmsrt changes in torch ], 9).
