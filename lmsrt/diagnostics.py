@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import re
 from typing import Set, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from .options import spelled
 from .recompute.compiled import made_regions
 from .say import say_once
 from .stats import StepStats
-from .units import MiB, format_bytes
+from .units import GiB, MiB, format_bytes
 
 __all__ = ["Diagnostics"]
 
@@ -111,11 +112,13 @@ class Diagnostics:
     def annotate_oom(self, exc: BaseException, where: str, *, config: LMSConfig, policy,
                      step: StepStats, allocated: int, peak: int, limit: int,
                      largest: Tuple[int, int], host_refused: int,
-                     optimizer_on_host: int = 0) -> None:
+                     optimizer_on_host: int = 0, optimizer_stepped: bool = True) -> None:
         """Add what lmsrt knows to an out-of-memory error raised while it is active, once: GPU
         use (``allocated`` now, ``peak`` this step, of ``limit``), the policy's level, what this
         step swapped and kept, its ``largest`` saved storage (bytes, save index), tensors the
-        host pool refused, the optimizer state it keeps on the host, and what to change."""
+        host pool refused, the optimizer state it keeps on the host (``optimizer_stepped``:
+        whether an optimizer has stepped under lmsrt yet, so that there is any), and what to
+        change."""
         if getattr(exc, "_lmsrt_annotated", False):
             return
         exc._lmsrt_annotated = True
@@ -135,17 +138,28 @@ class Diagnostics:
             lines.append(f"  {host_refused} saved tensors stayed on the GPU because the host "
                          "memory budget was reached or pinning failed: raise host_budget_gb "
                          f"({spelled('host_budget_gb')}) or free host memory.")
+        asked = _asked(exc)
+        if "backward" in where and largest_bytes and asked >= largest_bytes - (largest_bytes >> 4):
+            lines.append(
+                f"  Backward asked for {format_bytes(asked)} at once, as much as the largest saved "
+                "storage: the backward of the op that saved it holds that tensor, the gradient "
+                f"coming in and the one going out together (about {format_bytes(3 * largest_bytes)}"
+                "), which no swapping lowers. A loss over a large vocabulary in float32 is the "
+                "usual such op: computed in chunks of the batch (or from bf16 logits) it needs a "
+                "fraction of that.")
         if "d2h" in self.given:
             lines.append("  Copies to host memory failed (see the warning given then), so those "
                          "tensors stayed on the GPU.")
         lms = f"lower lms ({spelled('lms')}, now {config.lms:g} KiB) so smaller tensors go too"
         if policy.swaps_everything() and config.min_bytes <= MiB:
-            state = ("what optimizer state is on the GPU." if optimizer_on_host else
-                     "optimizer state." if config.optimizer_state == "host" else
-                     "optimizer state, which can live in host memory between optimizer steps "
-                     f"from the first ({spelled('optimizer_state', 'host')}).")
+            state = (", gradients and what optimizer state is on the GPU." if optimizer_on_host
+                     else ", gradients and optimizer state." if config.optimizer_state == "host"
+                     else " and gradients (no optimizer has stepped yet: there is no optimizer "
+                     "state)." if not optimizer_stepped
+                     else ", gradients and optimizer state, which can live in host memory between "
+                     f"optimizer steps from the first ({spelled('optimizer_state', 'host')}).")
             lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 "
-                         "KiB): what is left is one layer's working set, parameters, gradients and "
+                         "KiB): what is left is one layer's working set, parameters"
                          f"{state} Lower the batch size, checkpoint activations "
                          "(torch.utils.checkpoint), or run `lmsrt profile` to see the largest "
                          "layer.")
@@ -154,6 +168,16 @@ class Diagnostics:
         message = "\n".join(lines)
         first = str(exc.args[0]) if exc.args else ""
         exc.args = (f"{first}\n{message}" if first else message,) + tuple(exc.args[1:])
+
+
+def _asked(exc: BaseException) -> int:
+    """The bytes the failed allocation asked for, as torch's message says them; 0 if it does
+    not."""
+    found = re.search(r"Tried to allocate ([0-9.]+) (GiB|MiB|KiB|B)\b", str(exc))
+    if found is None:
+        return 0
+    unit = {"GiB": GiB, "MiB": MiB, "KiB": 1024, "B": 1}[found.group(2)]
+    return int(float(found.group(1)) * unit)
 
 
 def _ordinal(n: int) -> str:

@@ -56,3 +56,34 @@ def test_each_warning_is_given_once():
             diagnostics.unswappable(torch.nn.Parameter(torch.zeros(1)))
     assert len(said) == 3 and diagnostics.given == {"retries", "d2h", "kind"}, said
     assert "ran out of room 2 times" in said[0] and "injected" in said[1] and "Parameter" in said[2]
+
+
+def _oom_at_most(where, message, stepped=True, largest=3 * GiB) -> str:
+    """The text of an out-of-memory error raised ``where`` with swapping at its most."""
+    exc = torch.OutOfMemoryError(message)
+    Diagnostics().annotate_oom(
+        exc, where, config=LMSConfig(lms=1, lms_frac=0.0), policy=make_policy(0.0, 10 * GiB, 0),
+        step=StepStats(step=1), allocated=7 * GiB, peak=8 * GiB, limit=10 * GiB,
+        largest=(largest, 316), host_refused=0, optimizer_stepped=stepped)
+    return str(exc)
+
+
+def test_an_oom_in_backward_as_large_as_the_largest_saved_storage_names_its_floor():
+    """A GPT-2 script at 10 GiB: backward asked 3.07 GiB, the size of its float32 log-probabilities
+    (the largest saved storage); their backward holds three of that at once."""
+    asked = "CUDA out of memory. Tried to allocate 3.07 GiB. GPU 0 has a total capacity of 139 GiB"
+    text = _oom_at_most("in backward", asked, largest=int(3.07 * GiB))
+    assert "Backward asked for 3.07 GiB at once" in text and "about 9.21 GiB" in text
+    assert "in chunks" in text
+    for where, message, largest in (("in forward", asked, int(3.07 * GiB)),
+                                    ("in backward", asked, 8 * GiB),
+                                    ("in backward", "CUDA out of memory.", int(3.07 * GiB))):
+        assert "Backward asked" not in _oom_at_most(where, message, largest=largest)
+
+
+def test_an_oom_before_any_optimizer_step_does_not_advise_moving_optimizer_state():
+    before = _oom_at_most("in backward", "CUDA out of memory.", stepped=False)
+    after = _oom_at_most("in backward", "CUDA out of memory.", stepped=True)
+    assert "no optimizer has stepped yet" in before
+    assert spelled("optimizer_state", "host") not in before
+    assert spelled("optimizer_state", "host") in after

@@ -140,6 +140,9 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
             allocated=device.memory_allocated(),
             peak=self.step_peak(), limit=self.limit,
             largest=self.state.largest, host_refused=self.host.refused,
-            optimizer_on_host=self.optimizer_mover.figures()["optimizer_host_bytes"])
+            optimizer_on_host=self.optimizer_mover.figures()["optimizer_host_bytes"],
+            # (under "gpu" no hooks count the steps)
+            optimizer_stepped=(self.optimizer_mover.steps_seen > 0
+                               or self.config.optimizer_state == "gpu"))
 
 

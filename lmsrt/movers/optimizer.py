@@ -141,6 +141,8 @@ class OptimizerMover:
         optimizer.step()        # from the end of this step its state lives on the host
     """
 
+    steps_seen = 0      # optimizer steps any mover's hooks saw in this process (for texts)
+
     def __init__(self, device, copies, host, lock, *, min_bytes: int, mode: str,
                  step_peak: Callable[[], int], fits: Callable[[int], bool],
                  room: Callable[[int], int], part_bytes: int):
@@ -581,6 +583,7 @@ def _pre_eager(optimizer, args, kwargs, compiled: bool) -> Optional[tuple]:
 
 @torch.compiler.disable
 def _post(optimizer, args, kwargs) -> None:
+    OptimizerMover.steps_seen += 1
     mover = _mover_of(optimizer)
     if mover is not None:
         try:
