@@ -978,3 +978,60 @@ def test_a_backward_after_one_optimizers_step_is_judged_with_the_training_pass()
         disc(fake).sum().backward()
         opt_g.step()
     assert judged and all(peak >= 16 << 20 for peak in judged), judged
+
+
+def test_an_allocation_that_fails_while_a_part_comes_in_leaves_no_copy_unwaited():
+    """Rule 3: where asking for a block of the part coming in fails (out of memory, under a
+    caller that goes on, as the Trainer's batch-size finder does), the step waits for the copies
+    in already started: their tensors are in the state dict, and a later read must find them
+    whole. The run then goes on, every step whole again."""
+    with _limited("sim", 16 << 20) as lms:
+        mover = lms._engine.optimizer_mover
+        copies, issued = mover.copies, []
+
+        class Watched:
+            def __init__(self, event):
+                self.event, self.waited = event, False
+
+            def wait(self, stream=None):
+                self.waited = True
+                self.event.wait(stream)
+
+        class Copies:
+            d2h, h2d = copies.d2h, copies.h2d
+
+            def __getattr__(self, name):
+                return getattr(copies, name)
+
+            def copy_in(self, block, slot, stream):
+                issued.append(Watched(copies.copy_in(block, slot, stream)))
+                return issued[-1]
+        mover.copies = Copies()
+        empty, asked = mover.device.empty, []
+
+        def failing(nbytes):
+            asked.append(nbytes)
+            if len(asked) == 14:            # in step 2, the third part's blocks, not the first
+                raise torch.OutOfMemoryError("injected")
+            return empty(nbytes)
+        mover.device.empty = failing
+        model = _model(torch.device("cpu"), 256)
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        x = torch.randn(32, 64)
+        failed = []
+        for step in range(4):
+            opt.zero_grad()
+            with lms:
+                loss = model(x).square().mean()
+            loss.backward()
+            try:
+                opt.step()
+            except torch.OutOfMemoryError:
+                failed.append(step)
+                # Every copy in started before the failure is waited for (in order on its
+                # stream: the last one's wait covers them).
+                assert issued and issued[-1].waited
+        state = _host_tensors(opt)
+        assert failed == [1] and len(asked) > 14
+        assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters()))]
+        assert all(t.is_cpu for t in state) and all(torch.isfinite(t).all() for t in state)

@@ -409,11 +409,18 @@ class OptimizerMover:
         if after is not None:
             after.wait(self.copies.h2d)
         done = None
-        for _, p_state, key, place in self._on_host(optimizer, tracked, params):
-            block = self.device.empty(place.slot.nbytes)
-            done = self.copies.copy_in(block, place.slot, compute)
-            p_state[key] = block.view(place.dtype).as_strided(place.size, place.stride)
-            self.in_bytes += place.slot.nbytes
+        try:
+            for _, p_state, key, place in self._on_host(optimizer, tracked, params):
+                block = self.device.empty(place.slot.nbytes)
+                done = self.copies.copy_in(block, place.slot, compute)
+                p_state[key] = block.view(place.dtype).as_strided(place.size, place.stride)
+                self.in_bytes += place.slot.nbytes
+        except BaseException:
+            # (out of memory, say, under a caller that goes on: the Trainer's batch-size
+            # finder) What came in is in the dict already: no later read before its copy.
+            if done is not None:
+                done.wait(compute)
+            raise
         return done
 
     def _write_back(self, optimizer, tracked: _Tracked) -> None:
