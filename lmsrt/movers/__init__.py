@@ -1,7 +1,8 @@
 """Movers of model state other than saved tensors, each an object the engine holds and calls:
 
   optimizer.py   OptimizerMover: optimizer state in pinned host memory between optimizer steps
-  host_state.py  Place, HostState: a state tensor's host place; the state dict read through it
+  host_state.py  Place, HostState: a state tensor's host place; the state dict read through it;
+                 what is where (in_groups, states, on_host, part_sizes)
   placement.py   Placement: how much of the state leaves the device, and when (the decision)
   streamed.py    Parts: an optimizer step in parts, a part of its state on the GPU at a time
 """

@@ -1,14 +1,17 @@
 """The host side of optimizer state (NOTE [ Optimizer state on the host ], movers/optimizer.py):
-a state tensor's place in the pinned pool, and the state dict whose reads go through the mover
-(Rules 3, 5)."""
+a state tensor's place in the pinned pool, the state dict whose reads go through the mover
+(Rules 3, 5), and what is where (the state read past the mover)."""
 from __future__ import annotations
 
 import collections
 import weakref
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
-__all__ = ["Place", "HostState"]
+from .streamed import state_to_come
+
+__all__ = ["Place", "HostState", "in_groups", "on_host", "part_sizes", "states"]
 
 
 class Place:
@@ -63,3 +66,48 @@ class HostState(collections.defaultdict):
     def __reduce__(self):           # copied or pickled: a plain defaultdict of what it holds
         self._touch()
         return collections.defaultdict, (dict,), None, None, iter(dict.items(self))
+
+
+# -- what is where (each read past the mover: ``dict``'s own methods) ---------------------------
+
+def in_groups(optimizer) -> list:
+    """The parameters of ``optimizer``'s groups (a part's, while a step runs in parts)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def states(optimizer, params: Optional[list]) -> Iterator[tuple]:
+    """(param, its state) of ``params`` (each part's, without a walk over the whole state),
+    else of every parameter with state."""
+    state = optimizer.state
+    if params is None:
+        yield from dict.items(state)
+        return
+    for p in params:
+        p_state = dict.get(state, p)
+        if p_state:
+            yield p, p_state
+
+
+def on_host(optimizer, places: Dict[tuple, Place], params: Optional[list] = None) -> List[tuple]:
+    """((id(param), key), its state, key, place) of each state tensor of ``optimizer`` at its
+    host place (of ``places``, by (id(param), key)), of ``params`` if given."""
+    found = []
+    for p, p_state in states(optimizer, params):
+        for key, t in p_state.items():
+            place = places.get((id(p), key))
+            if place is not None and t is place.host:
+                found.append(((id(p), key), p_state, key, place))
+    return found
+
+
+def part_sizes(optimizer, places: Dict[tuple, Place]) -> Dict[int, int]:
+    """Bytes of state by id of parameter, for a step's parts: at a host place (of ``places``),
+    or to be made by this step (a parameter with no state yet that has a gradient now)."""
+    per: Dict[int, int] = {}
+    for (pid, _), place in places.items():
+        per[pid] = per.get(pid, 0) + place.slot.nbytes
+    to_come = state_to_come(optimizer)
+    for p in in_groups(optimizer):
+        if id(p) in to_come and id(p) not in per and not dict.get(optimizer.state, p):
+            per[id(p)] = to_come[id(p)]
+    return per

@@ -95,7 +95,7 @@ from .. import torch_patches
 from ..options import OPTIONS, spelled
 from ..say import say_once
 from ..units import format_bytes
-from .host_state import HostState, Place
+from .host_state import HostState, Place, in_groups, on_host, part_sizes, states
 from .placement import Placement
 from .streamed import Parts, closure_of, may_cut, run_closure, state_to_come, with_closure
 
@@ -194,7 +194,7 @@ class OptimizerMover:
                 return self._after_closure(args, kwargs)
             args, kwargs = run_closure(args, kwargs)
             self._mark_pass()
-            per = self._part_sizes(optimizer, tracked)
+            per = part_sizes(optimizer, tracked.places)
         else:
             on_device = sum(t.untyped_storage().nbytes()
                             for _, _, _, t in self._on_device(optimizer, tracked))
@@ -223,7 +223,7 @@ class OptimizerMover:
                 # The parts' copies in read what these write-backs write (Rule 3).
                 self._written_before = self._written
                 tracked.at_step -= on_device
-                per = self._part_sizes(optimizer, tracked)
+                per = part_sizes(optimizer, tracked.places)
         allocated = self.device.memory_allocated()
         parts = Parts.plan(optimizer, per, self.placement.part_size(allocated))   # Rules 7, 9
         if parts is not None:
@@ -231,19 +231,6 @@ class OptimizerMover:
             parts.begin(optimizer)
             tracked.parts = parts
         return args, kwargs
-
-    @staticmethod
-    def _part_sizes(optimizer, tracked: _Tracked) -> Dict[int, int]:
-        """Bytes of state by id of parameter, for a step's parts: on the host, or to be made by
-        this step (a parameter with no state yet that has a gradient now)."""
-        per: Dict[int, int] = {}
-        for (pid, _), place in tracked.places.items():
-            per[pid] = per.get(pid, 0) + place.slot.nbytes
-        to_come = state_to_come(optimizer)
-        for p in _in_groups(optimizer):
-            if id(p) in to_come and id(p) not in per and not dict.get(optimizer.state, p):
-                per[id(p)] = to_come[id(p)]
-        return per
 
     def _after_closure(self, args: tuple, kwargs: dict, tracked: Optional[_Tracked] = None):
         """A step's arguments whose closure, if any, marks the training pass's end (Rule 9) and,
@@ -390,7 +377,7 @@ class OptimizerMover:
         # A step's parts read places no write of the same step touches: the copies in wait
         # for the write-backs of the steps before only, and run beside this step's.
         after = self._written_before
-        waits = [self._bring(optimizer, tracked, _in_groups(optimizer), compute, after)]
+        waits = [self._bring(optimizer, tracked, in_groups(optimizer), compute, after)]
         if parts is not None:
             waits.append(parts.ahead)
             following = parts.following()
@@ -410,7 +397,7 @@ class OptimizerMover:
             after.wait(self.copies.h2d)
         done = None
         try:
-            for _, p_state, key, place in self._on_host(optimizer, tracked, params):
+            for _, p_state, key, place in on_host(optimizer, tracked.places, params):
                 block = self.device.empty(place.slot.nbytes)
                 done = self.copies.copy_in(block, place.slot, compute)
                 p_state[key] = block.view(place.dtype).as_strided(place.size, place.stride)
@@ -429,7 +416,7 @@ class OptimizerMover:
         if not isinstance(optimizer.state, HostState) or optimizer.state._mover() is not self:
             optimizer.state = HostState(self, optimizer, optimizer.state)   # (a new dict)
         compute = self.device.current_stream()
-        moving = [p for p in _in_groups(optimizer) if id(p) not in tracked.resident]
+        moving = [p for p in in_groups(optimizer) if id(p) not in tracked.resident]
         for p, p_state, key, t in list(self._on_device(optimizer, tracked, moving)):
             where = (id(p), key)
             nbytes = t.untyped_storage().nbytes()
@@ -452,7 +439,7 @@ class OptimizerMover:
 
     def _sweep(self, optimizer, tracked: _Tracked) -> None:
         """Give back the places whose tensors left the state (``load_state_dict``)."""
-        held = {where for where, _, _, _ in self._on_host(optimizer, tracked)}
+        held = {where for where, _, _, _ in on_host(optimizer, tracked.places)}
         for where in [w for w in tracked.places if w not in held]:
             self.host.free(tracked.places.pop(where).slot)
 
@@ -463,7 +450,7 @@ class OptimizerMover:
         """(param, its state, key, tensor) of each movable state tensor on the device (Rule 2),
         of ``params`` if given."""
         owns, least, places = self.device.owns, self.min_bytes, tracked.places
-        for p, p_state in _states(optimizer, params):
+        for p, p_state in states(optimizer, params):
             for key, t in p_state.items():
                 if type(t) is not torch.Tensor or not owns(t):
                     continue                       # (a DTensor's shards are FSDP's to move)
@@ -474,18 +461,6 @@ class OptimizerMover:
                 if (nbytes >= least and t.storage_offset() == 0
                         and nbytes == t.numel() * t.element_size()):
                     yield p, p_state, key, t
-
-    @staticmethod
-    def _on_host(optimizer, tracked: _Tracked, params: Optional[list] = None) -> List[tuple]:
-        """((id(param), key), its state, key, place) of each state tensor of ``optimizer`` on
-        the host, of ``params`` if given."""
-        places, found = tracked.places, []
-        for p, p_state in _states(optimizer, params):
-            for key, t in p_state.items():
-                place = places.get((id(p), key))
-                if place is not None and t is place.host:
-                    found.append(((id(p), key), p_state, key, place))
-        return found
 
     # -- the engine's calls --------------------------------------------------------------------
 
@@ -557,23 +532,6 @@ def _forget(mover_ref, tracked: _Tracked) -> None:
             for place in tracked.places.values():
                 mover.host.free(place.slot)
             tracked.places.clear()
-
-
-def _in_groups(optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _states(optimizer, params: Optional[list]) -> Iterator[tuple]:
-    """(param, its state) of ``params`` (each part's, without a walk over the whole state),
-    else of every parameter with state; read past the mover."""
-    state = optimizer.state
-    if params is None:
-        yield from dict.items(state)
-        return
-    for p in params:
-        p_state = dict.get(state, p)
-        if p_state:
-            yield p, p_state
 
 
 def _pre(optimizer, args, kwargs) -> Optional[tuple]:
