@@ -51,6 +51,7 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
     ("optimizer state on host", "optimizer_host_bytes", "B"),
     ("  brought in", "optimizer_in_bytes", "B"),
     ("  written back", "optimizer_out_bytes", "B"),
+    ("  update GPU (ms)", "optimizer_update_ms", "ms"),
     ("kept on GPU", "kept_bytes", "B"),
     ("  held by the script", "live_bytes", "B"),
     ("too small or params", "skipped_tensors", "n"),
@@ -71,7 +72,8 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
 _REBUILD = {"rebuilt, not moved", "  rebuilt in backward", "  rebuild GPU (ms)",
             "  checked bit for bit"}
 _REGIONS = {"regions recomputed", "  freed in forward", "  recompute GPU (ms)"}
-_OPTIMIZER = {"optimizer state on host", "  brought in", "  written back"}   # once it moved
+_OPTIMIZER = {"optimizer state on host", "  brought in", "  written back",   # once it moved
+              "  update GPU (ms)"}
 # Every label of the table, and of the lines above it: each is explained in docs/run.md.
 LABELS = ("settings", "swap above", "auto", "regions", "not rebuilt",
           *(label.strip() for label, _, _ in _ROWS))

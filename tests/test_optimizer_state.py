@@ -1035,3 +1035,22 @@ def test_an_allocation_that_fails_while_a_part_comes_in_leaves_no_copy_unwaited(
         assert failed == [1] and len(asked) > 14
         assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters()))]
         assert all(t.is_cpu for t in state) and all(torch.isfinite(t).all() for t in state)
+
+
+def test_the_update_of_a_step_whose_state_moved_is_timed_on_the_gpu(monkeypatch):
+    """The GPU time of each optimizer step whose state moved, from the training pass's end to
+    the update's last copy queued (events on the compute stream), read into the step's
+    ``optimizer_update_ms``; nothing where the state stays (auto, where it fits)."""
+    from lmsrt.device import _SimEvent
+    monkeypatch.setattr(_SimEvent, "elapsed_time", lambda self, other: 2.5)
+    for mode, limit in (("host", 16 << 20), ("auto", 1 << 30)):
+        with _limited("sim", limit, mode=mode) as lms:
+            _train("sim", "adamw", lms=lms, stack=256, steps=3)
+            stats = lms.stats()
+            total = stats["total"]
+        if mode == "host":
+            # Steps 1 and 2, finished at the next step's first save: 2.5 ms each.
+            assert [s["optimizer_update_ms"] for s in stats["history"]] == [2.5, 2.5]
+            assert total["optimizer_update_ms"] >= 5.0
+        else:
+            assert total["optimizer_update_ms"] == 0.0 and total["optimizer_in_bytes"] == 0

@@ -43,7 +43,7 @@ def step_rows(stats: Dict[str, object]) -> List[Dict[str, object]]:
             rerun=s.get("recompute_ms", 0.0) + s.get("rebuild_ms", 0.0),
             waited=s.get("swapout_wait_ms", 0.0) + s["swapin_wait_ms"],
             retries=s["alloc_retries"], peak=s["gpu_peak_bytes"], note=s.get("policy_note", ""),
-            state=s.get("optimizer_in_bytes", 0)))
+            state=s.get("optimizer_in_bytes", 0), update=s.get("optimizer_update_ms", 0.0)))
     return rows
 
 
@@ -54,10 +54,10 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
         rows = rows[-last:]
     if not rows:
         return "no finished step in this stats file (a run of one step, or none)"
-    # The optimizer state's bytes brought in for the step (and written back after it), where
-    # any step moved it (movers/optimizer.py).
+    # The optimizer state's bytes brought in for the step (and written back after it), and the
+    # GPU time of the update with its copies, where any step moved it (movers/optimizer.py).
     state = any(r["state"] for r in rows)
-    columns = list(_COLUMNS[:-2]) + ["state in"] * state + list(_COLUMNS[-2:])
+    columns = list(_COLUMNS[:-2]) + ["state in", "update ms"] * state + list(_COLUMNS[-2:])
     table = [columns]
     said = None
     for r in rows:
@@ -69,7 +69,8 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
             format_bytes(r["out"]), format_bytes(r["into"]), format_bytes(r["rebuilt"]),
             f"{r['regions']} ({format_bytes(r['recomputed'])})" if r["regions"] else "0",
             f"{r['rerun']:.1f}", f"{r['waited']:.0f}", str(r["retries"])]
-            + [format_bytes(r["state"])] * state + [format_bytes(r["peak"]), note])
+            + [format_bytes(r["state"]), f"{r['update']:.0f}"] * state
+            + [format_bytes(r["peak"]), note])
     widths = [max(len(row[c]) for row in table) for c in range(len(columns) - 1)]
     lines = ["  ".join([cell.rjust(w) if c != 1 else cell.ljust(w)
                         for c, (cell, w) in enumerate(zip(row, widths))] + [row[-1]]).rstrip()
@@ -88,7 +89,8 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
                 "its time, the host is the limit); rerun: GPU time of the regions recomputed "
                 "and the tensors rebuilt in backward; waited: GPU time forward and backward "
                 "stood still for copies" + ("; state in: optimizer state brought in for the "
-                                            "optimizer's step, and written back after it"
+                                            "optimizer's step, and written back after it; "
+                                            "update: GPU time of that step, copies included"
                                             if state else ""))
     return "\n".join(lines + [""] + tail)
 

@@ -110,7 +110,8 @@ class _Tracked:
     """One optimizer as the mover sees it."""
 
     __slots__ = ("places", "moved", "fetched", "in_step", "created", "found", "peak_before",
-                 "at_step", "parts", "resident", "stays", "again", "deferred", "__weakref__")
+                 "at_step", "parts", "resident", "stays", "again", "deferred", "began",
+                 "__weakref__")
 
     def __init__(self):
         self.places: Dict[Tuple[int, str], Place] = {}   # (id(param), key) -> its host place
@@ -126,6 +127,7 @@ class _Tracked:
         self.stays = False          # its step is compiled: its state stays on the device (Rule 8)
         self.again = False          # judged at the next step's end instead (cuDNN's search)
         self.deferred = False       # that was done once
+        self.began = None           # the event its update began at (timed if its state moved)
 
 
 class OptimizerMover:
@@ -157,6 +159,8 @@ class OptimizerMover:
         self._written_before = None   # and the last one before the step in flight began
         self._said: set = set()
         self.in_bytes = self.out_bytes = 0       # this step's
+        self.update_ms = 0.0                     # and its updates' GPU time, as read in
+        self._timed: list = []                   # (began, ended) events of updates to read
         self.pass_mark: Optional[int] = None     # the training pass's peak: Rule 9
         self.peak_seen: Optional[int] = None     # the step's, at that mark or an update's end
         self.closed = False
@@ -191,9 +195,9 @@ class OptimizerMover:
         cut = may_cut(optimizer) and not compiled
         if tracked.moved:
             if not cut:
-                return self._after_closure(args, kwargs)
+                return self._after_closure(args, kwargs, tracked)
             args, kwargs = run_closure(args, kwargs)
-            self._mark_pass()
+            self._mark_pass(tracked)
             per = part_sizes(optimizer, tracked.places)
         else:
             on_device = sum(t.untyped_storage().nbytes()
@@ -205,9 +209,9 @@ class OptimizerMover:
             tracked.again = False
             if not (cut and tracked.created):
                 tracked.peak_before = self._peak_without(tracked)
-                return self._after_closure(args, kwargs, tracked)
+                return self._after_closure(args, kwargs, tracked, judge=True)
             args, kwargs = run_closure(args, kwargs)     # what it holds counts (Rule 1)
-            self._mark_pass()
+            self._mark_pass(tracked)
             tracked.peak_before = self._peak_without(tracked)
             tracked.at_step = self.device.memory_allocated()
             per = state_to_come(optimizer) if not on_device else {}
@@ -232,27 +236,38 @@ class OptimizerMover:
             tracked.parts = parts
         return args, kwargs
 
-    def _after_closure(self, args: tuple, kwargs: dict, tracked: Optional[_Tracked] = None):
+    def _after_closure(self, args: tuple, kwargs: dict, tracked: _Tracked, judge=False):
         """A step's arguments whose closure, if any, marks the training pass's end (Rule 9) and,
-        for ``tracked``, reads the step's peak once forward and backward ran in it (Rule 1
+        to ``judge`` it, reads the step's peak once forward and backward ran in it (Rule 1
         judges the step by that peak); None where it has none (the pass ended: marked now)."""
         closure = closure_of(args, kwargs)
         if closure is None:
-            self._mark_pass()
+            self._mark_pass(tracked)
             return None
 
         def then_the_peak():
             loss = closure()
-            self._mark_pass()
-            if tracked is not None:
+            self._mark_pass(tracked)
+            if judge:
                 tracked.peak_before = self._peak_without(tracked)
             return loss
         return with_closure(args, kwargs, then_the_peak)
 
-    def _mark_pass(self) -> None:
-        """Rule 9: at the first optimizer's read, and a later one past the peak seen."""
+    def _mark_pass(self, tracked: _Tracked) -> None:
+        """Rule 9: at the first optimizer's read, and a later one past the peak seen. The
+        optimizer's update begins: timed from here on the GPU (``optimizer_update_ms``)."""
         if self.pass_mark is None or self.step_peak() > self.peak_seen:
             self.pass_mark = self.peak_seen = self.step_peak()
+        tracked.began = self.device.new_event(timing=True)
+        tracked.began.record(self.device.current_stream())
+
+    def _timed_update(self, tracked: _Tracked) -> None:
+        """The update of a step whose state moved is over: its GPU time, read once in."""
+        if tracked.began is not None:
+            end = self.device.new_event(timing=True)
+            end.record(self.device.current_stream())
+            self._timed.append((tracked.began, end))
+            tracked.began = None
 
     def _peak_without(self, tracked: _Tracked) -> int:
         """The step's peak so far, less the state found on the device (it was in it)."""
@@ -313,6 +328,7 @@ class OptimizerMover:
                 if keep:
                     self._keep_resident(optimizer, tracked, tracked.at_step)
             self._sweep(optimizer, tracked)
+        self._timed_update(tracked)
 
     def _next_part(self, optimizer, tracked: _Tracked, parts: "Parts") -> None:
         """Between two parts (Rule 7): the last one's state out, the next one's in."""
@@ -468,11 +484,19 @@ class OptimizerMover:
         """This step's figures, by their ``StepStats`` names."""
         on_host = sum(place.slot.nbytes for tracked in list(self._tracked.values())
                       if tracked.moved for place in tracked.places.values())
+        pending = []
+        for began, ended in self._timed:
+            if ended.query():
+                self.update_ms += began.elapsed_time(ended)
+            else:
+                pending.append((began, ended))
+        self._timed = pending
         return {"optimizer_host_bytes": on_host, "optimizer_in_bytes": self.in_bytes,
-                "optimizer_out_bytes": self.out_bytes}
+                "optimizer_out_bytes": self.out_bytes, "optimizer_update_ms": self.update_ms}
 
     def new_step(self) -> None:
         self.in_bytes = self.out_bytes = 0
+        self.update_ms = 0.0
         self.pass_mark = self.peak_seen = None
 
     def _bring_back(self, optimizer, tracked: _Tracked) -> None:

@@ -56,9 +56,11 @@ def test_optimizer_state_brought_in_is_a_column_where_it_moved(stats_file):
     assert "state in" not in header                       # the MLP script's state stayed
     for s in stats["history"]:
         s["optimizer_in_bytes"] = 3 << 20 if s["step"] > 1 else 0
+        s["optimizer_update_ms"] = 41.6 if s["step"] > 1 else 0.0
     text = format_steps(stats)
     lines = text.splitlines()
     assert "state in" in lines[0] and "state in: optimizer state" in text
+    assert "update ms" in lines[0] and all(" 42 " in line for line in lines[2:4])
     assert "0 B" in lines[1] and all("3.00 MiB" in line for line in lines[2:len(stats["history"])])
 
 
