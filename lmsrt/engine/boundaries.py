@@ -198,7 +198,7 @@ class StepBoundaries:
         s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
         # Judged by its training pass, not the optimizer's update after it (NOTE [ Optimizer
         # state on the host ], Rule 9).
-        mark = self.optimizer_mover.pass_mark
+        mark = self.optimizer_mover.marks.pass_peak
         peak = s.gpu_peak_bytes if mark is None else mark
         self.policy.finish_step(self.plan, followed=followed,
                                 forward_end_use=self.state.forward_end_use,

@@ -65,7 +65,7 @@ optimizer steps and brings them back for the step:
     each step and hold every old copy. Its state stays on the device (brought back for good if
     it had moved), said once.
   Rule 9 (what the engine is judged by). The step's peak as the optimizer's first read finds
-    it (after a closure's forward and backward) is the training pass's (``pass_mark``; read
+    it (after a closure's forward and backward) is the training pass's (marks.py; read
     again at a later read that finds the peak past the one seen at the last read or update's
     end: a backward after one optimizer's step, as a GAN's loop has): the engine's policy
     corrects its plan of saved tensors by that, not by the whole step's, whose update (state
@@ -96,6 +96,7 @@ from ..options import OPTIONS, spelled
 from ..say import say_once
 from ..units import format_bytes
 from .host_state import HostState, Place, in_groups, on_host, part_sizes, states
+from .marks import StepMarks
 from .placement import Placement
 from .streamed import Parts, closure_of, may_cut, run_closure, state_to_come, with_closure
 
@@ -159,10 +160,7 @@ class OptimizerMover:
         self._written_before = None   # and the last one before the step in flight began
         self._said: set = set()
         self.in_bytes = self.out_bytes = 0       # this step's
-        self.update_ms = 0.0                     # and its updates' GPU time, as read in
-        self._timed: list = []                   # (began, ended) events of updates to read
-        self.pass_mark: Optional[int] = None     # the training pass's peak: Rule 9
-        self.peak_seen: Optional[int] = None     # the step's, at that mark or an update's end
+        self.marks = StepMarks(device, step_peak)           # Rule 9
         self.closed = False
         # Every mover is in the list, so that the newest LMS decides ("gpu" included); the
         # hooks are made for the ones that move.
@@ -197,7 +195,7 @@ class OptimizerMover:
             if not cut:
                 return self._after_closure(args, kwargs, tracked)
             args, kwargs = run_closure(args, kwargs)
-            self._mark_pass(tracked)
+            tracked.began = self.marks.pass_ends()
             per = part_sizes(optimizer, tracked.places)
         else:
             on_device = sum(t.untyped_storage().nbytes()
@@ -211,7 +209,7 @@ class OptimizerMover:
                 tracked.peak_before = self._peak_without(tracked)
                 return self._after_closure(args, kwargs, tracked, judge=True)
             args, kwargs = run_closure(args, kwargs)     # what it holds counts (Rule 1)
-            self._mark_pass(tracked)
+            tracked.began = self.marks.pass_ends()
             tracked.peak_before = self._peak_without(tracked)
             tracked.at_step = self.device.memory_allocated()
             per = state_to_come(optimizer) if not on_device else {}
@@ -242,32 +240,16 @@ class OptimizerMover:
         judges the step by that peak); None where it has none (the pass ended: marked now)."""
         closure = closure_of(args, kwargs)
         if closure is None:
-            self._mark_pass(tracked)
+            tracked.began = self.marks.pass_ends()
             return None
 
         def then_the_peak():
             loss = closure()
-            self._mark_pass(tracked)
+            tracked.began = self.marks.pass_ends()
             if judge:
                 tracked.peak_before = self._peak_without(tracked)
             return loss
         return with_closure(args, kwargs, then_the_peak)
-
-    def _mark_pass(self, tracked: _Tracked) -> None:
-        """Rule 9: at the first optimizer's read, and a later one past the peak seen. The
-        optimizer's update begins: timed from here on the GPU (``optimizer_update_ms``)."""
-        if self.pass_mark is None or self.step_peak() > self.peak_seen:
-            self.pass_mark = self.peak_seen = self.step_peak()
-        tracked.began = self.device.new_event(timing=True)
-        tracked.began.record(self.device.current_stream())
-
-    def _timed_update(self, tracked: _Tracked) -> None:
-        """The update of a step whose state moved is over: its GPU time, read once in."""
-        if tracked.began is not None:
-            end = self.device.new_event(timing=True)
-            end.record(self.device.current_stream())
-            self._timed.append((tracked.began, end))
-            tracked.began = None
 
     def _peak_without(self, tracked: _Tracked) -> int:
         """The step's peak so far, less the state found on the device (it was in it)."""
@@ -328,7 +310,9 @@ class OptimizerMover:
                 if keep:
                     self._keep_resident(optimizer, tracked, tracked.at_step)
             self._sweep(optimizer, tracked)
-        self._timed_update(tracked)
+        if tracked.began is not None:
+            self.marks.update_ends(tracked.began)       # timed: its state moved
+            tracked.began = None
 
     def _next_part(self, optimizer, tracked: _Tracked, parts: "Parts") -> None:
         """Between two parts (Rule 7): the last one's state out, the next one's in."""
@@ -484,20 +468,13 @@ class OptimizerMover:
         """This step's figures, by their ``StepStats`` names."""
         on_host = sum(place.slot.nbytes for tracked in list(self._tracked.values())
                       if tracked.moved for place in tracked.places.values())
-        pending = []
-        for began, ended in self._timed:
-            if ended.query():
-                self.update_ms += began.elapsed_time(ended)
-            else:
-                pending.append((began, ended))
-        self._timed = pending
         return {"optimizer_host_bytes": on_host, "optimizer_in_bytes": self.in_bytes,
-                "optimizer_out_bytes": self.out_bytes, "optimizer_update_ms": self.update_ms}
+                "optimizer_out_bytes": self.out_bytes,
+                "optimizer_update_ms": self.marks.read_update_ms()}
 
     def new_step(self) -> None:
         self.in_bytes = self.out_bytes = 0
-        self.update_ms = 0.0
-        self.pass_mark = self.peak_seen = None
+        self.marks.new_step()
 
     def _bring_back(self, optimizer, tracked: _Tracked) -> None:
         """Rules 6 and 8: the state of ``optimizer`` back on the device in a plain dict, its
@@ -578,7 +555,7 @@ def _post(optimizer, args, kwargs) -> None:
         try:
             mover.after_step(optimizer, args, kwargs)
         finally:
-            mover.peak_seen = mover.step_peak()        # Rule 9: the update is over
+            mover.marks.update_over()                   # Rule 9
 
 
 # Made while a mover is open (torch_patches.py, NOTE [ What lmsrt changes in torch ], 9).
