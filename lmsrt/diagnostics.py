@@ -139,7 +139,9 @@ class Diagnostics:
                          "memory budget was reached or pinning failed: raise host_budget_gb "
                          f"({spelled('host_budget_gb')}) or free host memory.")
         asked = _asked(exc)
-        if "backward" in where and largest_bytes and asked >= largest_bytes - (largest_bytes >> 4):
+        # (about: torch says it to two decimals)
+        if "backward" in where and largest_bytes and abs(asked - largest_bytes) <= (
+                largest_bytes >> 4):
             lines.append(
                 f"  Backward asked for {format_bytes(asked)} at once, as much as the largest saved "
                 "storage: the backward of the op that saved it holds that tensor, the gradient "
@@ -173,10 +175,10 @@ class Diagnostics:
 def _asked(exc: BaseException) -> int:
     """The bytes the failed allocation asked for, as torch's message says them; 0 if it does
     not."""
-    found = re.search(r"Tried to allocate ([0-9.]+) (GiB|MiB|KiB|B)\b", str(exc))
+    found = re.search(r"Tried to allocate ([0-9.]+) (GiB|MiB|KiB|bytes)\b", str(exc))
     if found is None:
         return 0
-    unit = {"GiB": GiB, "MiB": MiB, "KiB": 1024, "B": 1}[found.group(2)]
+    unit = {"GiB": GiB, "MiB": MiB, "KiB": 1024, "bytes": 1}[found.group(2)]
     return int(float(found.group(1)) * unit)
 
 

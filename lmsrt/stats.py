@@ -64,7 +64,8 @@ class StepStats:
     optimizer_in_bytes: int = _summed(0)  # optimizer state brought back for optimizer steps
     optimizer_out_bytes: int = _summed(0)  # and written back to host memory after them
     optimizer_update_ms: float = _summed(0.0)  # GPU time of the optimizer steps whose state
-                                          # moved: copies in, the update, copies out
+                                          # moved: copies in, the update (not the last copies
+                                          # out: they run on their own stream after it)
     optimizer_host_bytes: int = 0         # optimizer state in host memory at the end of the step
                                           # (movers/optimizer.py)
     gpu_peak_bytes: int = 0               # peak allocated GPU memory of the step

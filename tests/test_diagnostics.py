@@ -11,7 +11,7 @@ from lmsrt.diagnostics import Diagnostics
 from lmsrt.options import spelled
 from lmsrt.policy import make_policy
 from lmsrt.stats import StepStats
-from lmsrt.units import GiB
+from lmsrt.units import GiB, MiB, format_bytes
 
 
 def _oom_text(lms_frac, host_refused=0, lms=4096.0) -> str:
@@ -87,3 +87,16 @@ def test_an_oom_before_any_optimizer_step_does_not_advise_moving_optimizer_state
     assert "no optimizer has stepped yet" in before
     assert spelled("optimizer_state", "host") not in before
     assert spelled("optimizer_state", "host") in after
+
+
+def test_the_backward_floor_is_named_only_where_backward_asked_about_the_largest_storage():
+    """torch says the size asked for as its allocator formats it ("20.00 MiB", "1.50 GiB",
+    "512 bytes"): the floor's text where that is about the largest saved storage, not where
+    backward asked for far more than it (that is no gradient of the op that saved it)."""
+    for asked, largest in (("20.00 MiB", 20 * MiB), ("1.50 GiB", 3 * GiB // 2),
+                           ("512 bytes", 512)):
+        text = _oom_at_most("in backward", f"CUDA out of memory. Tried to allocate {asked}. GPU 0",
+                            largest=largest)
+        assert f"Backward asked for {format_bytes(largest)} at once" in text, (asked, text)
+    much_more = "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of"
+    assert "Backward asked" not in _oom_at_most("in backward", much_more, largest=GiB)

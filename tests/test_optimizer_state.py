@@ -980,11 +980,14 @@ def test_a_backward_after_one_optimizers_step_is_judged_with_the_training_pass()
     assert judged and all(peak >= 16 << 20 for peak in judged), judged
 
 
-def test_an_allocation_that_fails_while_a_part_comes_in_leaves_no_copy_unwaited():
+@pytest.mark.parametrize("refused", [14, 5])
+def test_an_allocation_that_fails_while_a_part_comes_in_leaves_no_copy_unwaited(refused):
     """Rule 3: where asking for a block of the part coming in fails (out of memory, under a
     caller that goes on, as the Trainer's batch-size finder does), the step waits for the copies
     in already started: their tensors are in the state dict, and a later read must find them
-    whole. The run then goes on, every step whole again."""
+    whole. The run then goes on, every step whole again. (In step 2, the 14th block asked for is
+    the third part's second; the 5th, the second part's first, asked for right after the first
+    part's copies in.)"""
     with _limited("sim", 16 << 20) as lms:
         mover = lms._engine.optimizer_mover
         copies, issued = mover.copies, []
@@ -1011,7 +1014,7 @@ def test_an_allocation_that_fails_while_a_part_comes_in_leaves_no_copy_unwaited(
 
         def failing(nbytes):
             asked.append(nbytes)
-            if len(asked) == 14:            # in step 2, the third part's blocks, not the first
+            if len(asked) == refused:
                 raise torch.OutOfMemoryError("injected")
             return empty(nbytes)
         mover.device.empty = failing
@@ -1032,7 +1035,7 @@ def test_an_allocation_that_fails_while_a_part_comes_in_leaves_no_copy_unwaited(
                 # stream: the last one's wait covers them).
                 assert issued and issued[-1].waited
         state = _host_tensors(opt)
-        assert failed == [1] and len(asked) > 14
+        assert failed == [1] and len(asked) > refused
         assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters()))]
         assert all(t.is_cpu for t in state) and all(torch.isfinite(t).all() for t in state)
 

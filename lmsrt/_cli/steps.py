@@ -55,7 +55,7 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
     if not rows:
         return "no finished step in this stats file (a run of one step, or none)"
     # The optimizer state's bytes brought in for the step (and written back after it), and the
-    # GPU time of the update with its copies, where any step moved it (movers/optimizer.py).
+    # GPU time of the update with its copies in, where any step moved it (movers/optimizer.py).
     state = any(r["state"] for r in rows)
     columns = list(_COLUMNS[:-2]) + ["state in", "update ms"] * state + list(_COLUMNS[-2:])
     table = [columns]
@@ -90,7 +90,7 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
                 "and the tensors rebuilt in backward; waited: GPU time forward and backward "
                 "stood still for copies" + ("; state in: optimizer state brought in for the "
                                             "optimizer's step, and written back after it; "
-                                            "update: GPU time of that step, copies included"
+                                            "update: GPU time of that step, copies in included"
                                             if state else ""))
     return "\n".join(lines + [""] + tail)
 

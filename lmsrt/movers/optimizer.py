@@ -378,17 +378,19 @@ class OptimizerMover:
         # for the write-backs of the steps before only, and run beside this step's.
         after = self._written_before
         waits = [self._bring(optimizer, tracked, in_groups(optimizer), compute, after)]
-        if parts is not None:
-            waits.append(parts.ahead)
-            following = parts.following()
-            paced = parts.paced_by(after)
-            if following and paced is not None and paced is not after:
-                paced.synchronize()         # its blocks free for these (Rule 7)
-            parts.ahead = (self._bring(optimizer, tracked, following, compute, paced)
-                           if following else None)
-        for done in waits:
-            if done is not None:
-                done.wait(compute)
+        try:
+            if parts is not None:
+                waits.append(parts.ahead)
+                following = parts.following()
+                paced = parts.paced_by(after)
+                if following and paced is not None and paced is not after:
+                    paced.synchronize()         # its blocks free for these (Rule 7)
+                parts.ahead = (self._bring(optimizer, tracked, following, compute, paced)
+                               if following else None)
+        finally:        # (also where the next part's blocks were refused: these are in the dict)
+            for done in waits:
+                if done is not None:
+                    done.wait(compute)
 
     def _bring(self, optimizer, tracked: _Tracked, params: Optional[list], compute, after):
         """Start the copies in of the host tensors of ``params``' state (all of it: None), once
