@@ -156,8 +156,8 @@ class Diagnostics:
         if policy.swaps_everything() and config.min_bytes <= MiB:
             state = (", gradients and what optimizer state is on the GPU." if optimizer_on_host
                      else ", gradients and optimizer state." if config.optimizer_state == "host"
-                     else " and gradients (no optimizer has stepped yet: there is no optimizer "
-                     "state)." if not optimizer_stepped
+                     else ", gradients and any optimizer state loaded (no optimizer has stepped "
+                     "under lmsrt yet: none made)." if not optimizer_stepped
                      else ", gradients and optimizer state, which can live in host memory between "
                      f"optimizer steps from the first ({spelled('optimizer_state', 'host')}).")
             lines.append("  Swapping is already at its most (every eligible tensor, lms<=1024 "
