@@ -1057,3 +1057,32 @@ def test_the_update_of_a_step_whose_state_moved_is_timed_on_the_gpu(monkeypatch)
             assert total["optimizer_update_ms"] >= 5.0
         else:
             assert total["optimizer_update_ms"] == 0.0 and total["optimizer_in_bytes"] == 0
+
+
+@pytest.mark.cuda
+def test_parts_over_a_fifth_of_the_room_step_exactly_two_at_a_time(monkeypatch):
+    """Rule 9: under a GPU capped at 544 MiB, 192 MiB of parameters and as much of gradients
+    leave about 109 MiB beside them, and one weight's AdamW state is 32 MiB: more than a fifth,
+    so parts are held two at a time (``Placement.depth`` 1), not three, and the steps are exact."""
+    from lmsrt.movers.placement import Placement
+    depths = []
+    depth = Placement.depth
+    monkeypatch.setattr(Placement, "depth",
+                        lambda self, *a: depths.append(depth(self, *a)) or depths[-1])
+    ref, _, _ = _train("cuda", "adamw", stack=2048)
+    with _limited("cuda", 544 << 20) as lms:
+        got, _, _ = _train("cuda", "adamw", lms=lms, stack=2048)
+        assert lms.stats()["last_step"]["optimizer_host_bytes"] > 300 << 20
+    _assert_same_params(ref, got)
+    assert depths and set(depths) == {1}, depths
+
+
+@pytest.mark.cuda
+def test_the_update_is_timed_on_the_gpu():
+    """optimizer_update_ms: the GPU time of the updates whose state moved (AdamW over 384 MiB
+    of state, in parts, brought in from pinned memory: milliseconds, not zero)."""
+    with _limited("cuda", 1 << 30) as lms:
+        _train("cuda", "adamw", lms=lms, stack=2048)
+        history = lms.stats()["history"]
+    # (An update still running when the next step begins counts in that one.)
+    assert len(history) >= 2 and sum(s["optimizer_update_ms"] for s in history) > 0, history
