@@ -1086,3 +1086,34 @@ def test_the_update_is_timed_on_the_gpu():
         history = lms.stats()["history"]
     # (An update still running when the next step begins counts in that one.)
     assert len(history) >= 2 and sum(s["optimizer_update_ms"] for s in history) > 0, history
+
+
+@pytest.mark.parametrize("fits", [False, True], ids=["moves", "stays"])
+def test_auto_judges_state_loaded_before_the_first_step_as_made_by_it(fits):
+    """Rule 1 under auto: a resumed run's state, loaded before its first step, is judged at that
+    step's end as if the step had made it: it leaves where it would not fit beside the step (a
+    simulated device smaller than it), stays where it fits; exact either way."""
+    from lmsrt.device import SimulatedDevice
+
+    def run(lms, state=None, steps=3):
+        model = _model(torch.device("cpu"), 256)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if state is not None:
+            model.load_state_dict(state[0])
+            opt.load_state_dict(copy.deepcopy(state[1]))
+        seen = _loop(model, opt, torch.randn(32, 64), lms, steps)
+        return seen, (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())), opt
+
+    _, saved, _ = run(None, steps=2)
+    ref, _, _ = run(None, saved)
+    state = sum(t.numel() * t.element_size() for s in saved[1]["state"].values()
+                for t in s.values() if t.numel() > 1)
+    capacity = 4 * state if fits else state - state // 8
+    lms = lmsrt.LMS(device=SimulatedDevice(capacity=capacity), lms=64)
+    got, _, opt = run(lms, saved)
+    moved = lms.stats()["last_step"]["optimizer_host_bytes"]
+    _assert_same_params(ref, got)
+    if fits:
+        assert moved == 0 and not _host_tensors(opt)[0].is_pinned()
+    else:       # only what does not fit beside the step leaves (the smallest stay)
+        assert 0 < moved < state and state - moved <= capacity - capacity // 16
