@@ -1117,3 +1117,18 @@ def test_auto_judges_state_loaded_before_the_first_step_as_made_by_it(fits):
         assert moved == 0 and not _host_tensors(opt)[0].is_pinned()
     else:       # only what does not fit beside the step leaves (the smallest stay)
         assert 0 < moved < state and state - moved <= capacity - capacity // 16
+
+
+def test_a_step_captured_in_a_cuda_graph_is_left_alone(monkeypatch):
+    """A step captured in a CUDA graph (a capturable optimizer under torch.cuda.graph) must not
+    see copies, events or host waits: the mover steps aside, its state stays where the
+    optimizer made it, and the steps are exact."""
+    import lmsrt.movers.optimizer as mover_module
+
+    ref, _, _ = _train("sim", "adamw", stack=256)
+    with _limited("sim", 16 << 20) as lms:
+        monkeypatch.setattr(mover_module, "capturing", lambda: True)
+        got, opt, _ = _train("sim", "adamw", lms=lms, stack=256)
+        assert lms.stats()["last_step"]["optimizer_host_bytes"] == 0
+        assert type(opt.state) is collections.defaultdict
+    _assert_same_params(ref, got)

@@ -63,7 +63,8 @@ optimizer steps and brings them back for the step:
   Rule 8 (compiled steps). A step compiled with torch.compile guards on its state's addresses and
     keeps the tensors it was compiled with: state brought back each step would recompile it
     each step and hold every old copy. Its state stays on the device (brought back for good if
-    it had moved), said once.
+    it had moved), said once. A step captured in a CUDA graph is left alone (no copies, events
+    or host waits inside a capture).
   Rule 9 (what the engine is judged by). The step's peak as the optimizer's first read finds
     it (after a closure's forward and backward) is the training pass's (marks.py; read
     again at a later read that finds the peak past the one seen at the last read or update's
@@ -93,6 +94,7 @@ import torch
 
 from .. import torch_patches
 from ..options import OPTIONS, spelled
+from ..recompute.compiled import capturing
 from ..say import say_once
 from ..units import format_bytes
 from .host_state import HostState, Place, in_groups, on_host, part_sizes, states
@@ -545,14 +547,16 @@ def _pre(optimizer, args, kwargs) -> Optional[tuple]:
 
 @torch.compiler.disable
 def _pre_eager(optimizer, args, kwargs, compiled: bool) -> Optional[tuple]:
-    mover = _mover_of(optimizer)
+    mover = None if capturing() else _mover_of(optimizer)
     return None if mover is None else mover.before_step(optimizer, args, kwargs, compiled)
 
 
 @torch.compiler.disable
 def _post(optimizer, args, kwargs) -> None:
     OptimizerMover.steps_seen += 1
-    mover = _mover_of(optimizer)
+    # A step captured in a CUDA graph (a capturable optimizer under torch.cuda.graph): copies,
+    # events and host waits would invalidate the capture; the mover steps aside, as LMS does.
+    mover = None if capturing() else _mover_of(optimizer)
     if mover is not None:
         try:
             mover.after_step(optimizer, args, kwargs)
