@@ -182,10 +182,7 @@ class OptimizerMover:
             tracked = self._tracked[optimizer] = _Tracked()
             # An optimizer dropped gives its host places back.
             weakref.finalize(optimizer, _forget, weakref.ref(self), tracked)
-        if tracked.parts is not None:           # the last step raised inside a part
-            with self.lock:
-                self._end_parts(optimizer, tracked.parts)
-                tracked.parts = None
+        self._mend(optimizer, tracked)
         if compiled and not tracked.stays:
             self._stay(optimizer, tracked)      # Rule 8
         if tracked.stays:
@@ -215,10 +212,9 @@ class OptimizerMover:
             tracked.peak_before = self._peak_without(tracked)
             tracked.at_step = self.device.memory_allocated()
             per = state_to_come(optimizer) if not on_device else {}
-            temporaries = sum(p.numel() * p.element_size() for group in optimizer.param_groups
-                              for p in group["params"] if p.grad is not None)
-            if not self.placement.moves_before(self.device.memory_allocated(),
-                                               sum(per.values()), temporaries):
+            temporaries = sum(p.numel() * p.element_size() for p in in_groups(optimizer)
+                              if p.grad is not None)
+            if not self.placement.moves_before(tracked.at_step, sum(per.values()), temporaries):
                 return args, kwargs
             tracked.moved = True
             if on_device:                       # found: out now, in again part by part
@@ -257,6 +253,13 @@ class OptimizerMover:
         """The step's peak so far, less the state found on the device (it was in it)."""
         peak = self.step_peak()
         return peak - min(tracked.found, peak)
+
+    def _mend(self, optimizer, tracked: _Tracked) -> None:
+        """Where the last step raised inside a part: its groups whole again."""
+        if tracked.parts is not None:
+            with self.lock:
+                self._end_parts(optimizer, tracked.parts)
+            tracked.parts = None
 
     def _end_parts(self, optimizer, parts: Parts) -> None:
         """The groups whole again, and the part that was coming in (after a part that raised)
@@ -362,10 +365,7 @@ class OptimizerMover:
                 with self.lock:
                     self._fetch(optimizer, tracked, tracked.parts)
             return
-        if tracked.parts is not None:               # the last step raised inside a part
-            with self.lock:
-                self._end_parts(optimizer, tracked.parts)
-                tracked.parts = None
+        self._mend(optimizer, tracked)
         if self._written is not None:               # Rule 5: its host bytes may be in flight
             self._written.synchronize()
             self._written = None
@@ -511,9 +511,7 @@ class OptimizerMover:
         if self.mode != "gpu":
             _hooks.remove_user(self)
         for optimizer, tracked in list(self._tracked.items()):
-            if tracked.parts is not None:
-                self._end_parts(optimizer, tracked.parts)
-                tracked.parts = None
+            self._mend(optimizer, tracked)
             if tracked.moved:
                 self._bring_back(optimizer, tracked)
         self._tracked.clear()
