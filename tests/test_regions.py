@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lmsrt
+from lmsrt.device import SimulatedDevice
 from lmsrt.recompute.regions import StepFigures, choose_regions
 from lmsrt.summary import format_headline, moved
 from lmsrt.units import format_bytes
@@ -414,6 +415,36 @@ def test_forward_waits_for_copies_out_are_taken_off_a_regions_time(monkeypatch):
     assert seconds == [pytest.approx(400.0)] * 4, seconds     # ms
 
 
+def test_a_region_counts_at_the_faster_of_its_forward_and_its_rerun(monkeypatch):
+    """NOTE [ Region plan ], 3: the timing step's forward is slowed by what it learns; the
+    same step's rerun of each region in backward swaps nothing. With forward spans of 1 s on a
+    fake clock and reruns of 0.25 s, every region counts 0.25 s."""
+    import types
+
+    import lmsrt.recompute.regions
+    clock = types.SimpleNamespace(now=0.0, step=1.0)
+
+    def perf_counter():
+        clock.now += clock.step
+        clock.step = 1.0
+        return clock.now
+
+    monkeypatch.setattr(lmsrt.recompute.regions, "time",
+                        types.SimpleNamespace(perf_counter=perf_counter))
+    real = lmsrt.recompute.regions.rerun
+
+    def quick(frame):
+        clock.step = 0.25           # the rerun's end comes a quarter of a tick after its start
+        return real(frame)
+
+    monkeypatch.setattr(lmsrt.recompute.regions, "rerun", quick)
+    model, x = Stack(32, 4), torch.randn(4, 16, 32)
+    lms = _lms("sim")
+    _train(model, x, 3, lms)
+    seconds = [each[2] for each in lms.stats()["regions"]["each"]]
+    assert seconds == [pytest.approx(250.0)] * 4, seconds     # ms
+
+
 def test_calibrated_figures_predict_the_measured_waits():
     from lmsrt.recompute.plan import calibrated
     step = _figures(8)
@@ -474,3 +505,73 @@ def test_a_rerun_stops_at_the_last_tensor_it_dropped(monkeypatch):
     assert recomputed > 0
     # Each step's forward calls every tail once, in both runs; no rerun calls one.
     assert _Tail.calls == 2 * 4 * 4, (_Tail.calls, recomputed)
+
+
+def test_what_step_one_leaves_on_the_gpu_counts_in_the_excess():
+    """NOTE [ Region plan ], 1: what step 1 leaves on the GPU for the steps after it (an
+    optimizer's state, made by its first step: here 1 MiB of the simulated device's memory,
+    made after backward) raises the peak of every later step's passes, and so the excess, by
+    as much; counted once, although step 1's own peak came after its passes with it."""
+    excess = []
+    for left in (0, 1 << 20):
+        torch.manual_seed(0)
+        model, x = Stack(32, 4), torch.randn(4, 16, 32)
+        # auto, so step 1 is recorded; a GPU of 256 KiB, which the blocks' saves fill
+        lms, state = lmsrt.LMS(lms=1, device=SimulatedDevice(capacity=256 << 10)), []
+        lms._regions.bandwidth, lms._regions.worth = 1.0, 0
+        for step in range(2):
+            with lms:
+                loss = model(x).square().mean()
+            loss.backward()
+            if step == 0 and left:
+                state.append(lms._engine.device.empty(left))
+        excess.append(lms._regions._excess)
+        lms.close()
+    assert excess[0] > 0 and excess[1] - excess[0] == 1 << 20, excess
+
+
+def test_what_lmsrt_held_at_step_ones_peak_counts_once():
+    """NOTE [ Region plan ], 1: a learning step's peak came with lmsrt holding 200 (a source in
+    flight, a restored copy), which what it saved counts already: the passes' peak counts the
+    model's own 100, not 300: the excess is 100 + 400 saved - 450 = 50."""
+    from lmsrt.policy.profile import Profile
+    from lmsrt.recompute.plan import over_bound
+    from lmsrt.stats import StepStats
+    prof = Profile()
+    prof.record(False, used=100, peak=300, lmsrt_before=200, lmsrt_now=0, nbytes=100)
+    prof.record(True, used=50, peak=80, lmsrt_before=0, lmsrt_now=0)
+    step = StepStats(step=1, gpu_peak_bytes=20, out_bytes=400)
+    assert over_bound(step, 450, (prof.own_peak(), 0)) == (400, 50)
+    assert over_bound(step, 450, (prof.own_peak(), 30)) == (400, 80)
+
+
+def test_the_rebuild_recorder_sleeps_inside_a_recomputed_region(monkeypatch):
+    """NOTE [ Recomputed regions ], Rule 3: ops inside a region that is recomputed do not pass
+    through the engine's rebuild recorder (what they save is dropped and run again, never
+    rebuilt; each op through the recorder costs its dispatch through Python), while ops outside
+    the regions still do, and the steps stay exact."""
+    import collections
+
+    import lmsrt.recompute.recipes as recipes
+    step, ops = [0], collections.defaultdict(collections.Counter)
+    dispatch = recipes.Recorder.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        ops[step[0]][func.overloadpacket.__name__] += 1
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(recipes.Recorder, "__torch_dispatch__", counted)
+    torch.manual_seed(0)
+    model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
+    plain_model.load_state_dict(model.state_dict())
+    lms = _lms("sim")
+    lms.add_step_listener(lambda n: step.__setitem__(0, n))
+    with _deterministic():
+        assert_same_steps(_train(plain_model, x, 5), _train(model, x, 5, lms))
+    assert lms.stats()["regions"]["recomputed"] == 4
+    # Step 1 recomputes nothing, and every block's ops are noted; from step 2 every block is
+    # recomputed, and only ops outside them (the loss's square) pass through the recorder.
+    assert ops[1]["gelu"] == 4 and ops[1]["native_layer_norm"] == 4, ops[1]
+    for n in (2, 3, 4, 5):
+        assert not ops[n]["gelu"] and not ops[n]["native_layer_norm"], ops[n]
+        assert not ops[n]["addmm"] and ops[n]["pow"] == 1, ops[n]

@@ -57,6 +57,19 @@ class StepBoundaries:
         return (threading.get_ident() in self._after_backward
                 and torch._C._current_graph_task_id() == -1)
 
+    def carried_over(self) -> tuple:
+        """(the model's own peak in the step in flight's passes, 0 where it recorded none; GPU
+        use now less its base, its use at its first save): read at the next step's start, how
+        high a learning step's passes went, less what lmsrt held at each recorded point (sources
+        in flight, restored copies: its saved bytes count them), and what it left to the steps
+        after it (an optimizer's state, made by its first step), which raises their passes'
+        peak."""
+        st = self.state
+        if st.base is None:
+            return 0, 0
+        passes = 0 if st.rec is None else st.base + st.rec.own_peak()
+        return passes, self.device.memory_allocated() - st.base
+
     def saved_so_far(self) -> tuple:
         """(the step in flight, the bytes of the storages it has saved so far): what
         recompute/compiled.py counts around a block's eager call."""

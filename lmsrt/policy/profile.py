@@ -129,6 +129,10 @@ class Profile:
             return None
         return n + first + 1, n + last
 
+    def own_peak(self) -> int:
+        """The model's own peak over the step, lmsrt's bytes left out at every point."""
+        return max(self.fwd_peak + self.bwd_peak, default=0)
+
     def growth(self) -> int:
         """The largest rise of the model's own use within one interval."""
         own = self.fwd_own + self.bwd_own

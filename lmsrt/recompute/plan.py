@@ -139,13 +139,17 @@ def checked(figures: StepFigures, step) -> Tuple[StepFigures, List[str]]:
     return figures, said
 
 
-def over_bound(step, bound: int) -> Tuple[int, int]:
+def over_bound(step, bound: int, carried: Tuple[int, int] = (0, 0)) -> Tuple[int, int]:
     """(saved, excess) of a step (``StepStats``) that swapped everything it could (a learning
-    step): what it saved (swapped, kept, alive anyway, rebuilt), and by how much it would have
-    passed ``bound`` had it kept all of it (its peak plus what it saved: NOTE [ Region plan ],
-    1)."""
+    step): what it saved (swapped, kept, alive anyway, rebuilt), and by how much a step like it
+    would pass ``bound`` keeping all of it: its peak plus what it saved (NOTE [ Region plan ],
+    1). ``carried``: (the model's own peak in its passes, lmsrt's bytes left out, which
+    ``saved`` counts; what it left on the GPU for later steps: the engine's ``carried_over``):
+    their passes peak that much higher."""
     saved = step.out_bytes + step.kept_bytes + step.live_bytes + step.recipe_bytes
-    return saved, max(0, step.gpu_peak_bytes + saved - bound)
+    passes, left = carried
+    peak = max(step.gpu_peak_bytes, passes + left) if passes else step.gpu_peak_bytes
+    return saved, max(0, peak + saved - bound)
 
 
 def memory_budget(step: StepFigures, blocks: int) -> float:

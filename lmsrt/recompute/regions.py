@@ -29,6 +29,10 @@ NOTE [ Recomputed regions ]
     returns), and at the ``with`` block's exit or the next step; each close takes exactly its own
     hooks off the stack. A frame that raised or was left keeps what it saved, as does one that
     changed an input in place (Rule 6): kept tensors go to the engine, which keeps or swaps them.
+    While a frame is open the engine's rebuild recorder sleeps (rebuilds.py, ``sleep``): what the
+    region's ops save is recomputed, not rebuilt, and a recorder on the mode stack runs every op
+    through Python (GPT-2 medium at an 18 GiB cap, 20 of 24 blocks recomputed: ~0.2 s a step
+    with it awake against 0.10 uncapped).
   Rule 4 (recomputed; frames.py). At the first unpack of a dropped tensor, the region
     runs again from its inputs (brought back by the engine) with grad on, up to the save of the
     last tensor it dropped (the rest is skipped, as torch's checkpoint stops early). The running
@@ -57,7 +61,12 @@ NOTE [ Recomputed regions ]
 NOTE [ Region plan ]
   1. Step 1 surveys: regions are found, a mixed Sequential's output sizes read, nothing is
      recomputed, and the engine learns as always. Its peak plus what it saved estimates the
-     step's use with everything kept; the excess is that over the engine's bound.
+     step's use with everything kept; what it left on the GPU by step 2's first save (an
+     optimizer's state, made by its first step) raises the peak of every later step's passes
+     (its forward and backward, up to its last recorded point: the Trainer, GPT-2 and Lightning
+     loops' planned steps took 2.5-5 GiB more off the GPU than the excess without it). That
+     peak is the model's own, what lmsrt held at each point (sources in flight, restored
+     copies) left out: what it saved counts them. The excess is that over the engine's bound.
   2. Where the excess is under 1/16 of the limit (or the link is free, the simulated device),
      nothing is recomputed and the hooks go idle. Otherwise step 2 recomputes every region and
      times its forward (CUDA events; wall time on the simulated device): in step 1 the swaps
@@ -66,7 +75,9 @@ NOTE [ Region plan ]
   3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
      as its regions' and backward's as twice that. The step that times them learns: what its
      forward waited for copies out inside a region (``swapout_wait_ms``' events) is taken off
-     that region's time, and blocks of one class count at the fastest of them. A swap costs the
+     that region's time; a region counts at the faster of that and its rerun in the same step's
+     backward (the same ops, nothing swapped: what a recompute costs, up to the last save it
+     needs); blocks of one class count at the fastest of them. A swap costs the
      copy time compute does not hide (out: forward's; in: backward's); rebuilt bytes (step 1's
      share) cross no link (``StepFigures``).
   4. The plan holds from step 3: no step is spent trying other choices (each cost a learning
@@ -125,6 +136,7 @@ class Regions:
 
     def __init__(self, engine, hooks):
         self.engine = engine
+        self._rebuilds = engine.rebuilds
         self.hooks = (hooks.pack, hooks.unpack)
         self._owner = hooks             # the engine, or its C++ hooks
         self.simulated = engine.device.kind == "sim"
@@ -149,6 +161,7 @@ class Regions:
         self._timings: list = []        # [region, start, end, forward waits] of this step's
                                         # recomputed forwards (the timing step)
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
+        self._reruns: list = []         # (region, [start, end]) of the timing step's reruns
         self._kept_calls = 0            # this step's region calls that kept their tensors
         self._span: list = []           # forward's first region start and last region end
         _flush_dead()                   # hooks of Regions collected before this one
@@ -230,6 +243,8 @@ class Regions:
             frame.span = [region, *self._mark(), (waits, len(waits or ()))]
             self._timings.append(frame.span)
         frame.hooks.__enter__()
+        if self._rebuilds is not None:
+            self._rebuilds.sleep()
         return None
 
     def _post(self, module: nn.Module, kwargs, output=None):
@@ -264,6 +279,8 @@ class Regions:
         if frame.span is not None:
             self._end_region(frame.span)
         why = frame.close(keep_why)
+        if self._rebuilds is not None:
+            self._rebuilds.follow_noting()      # awake again where the engine notes (Rule 3)
         region = frame.region
         if why:
             self.refuse(region, why)
@@ -364,6 +381,8 @@ class Regions:
         rerun(frame)
         self._end(timing)
         self._recomputes.append(timing)
+        if self.phase == "timing":
+            self._reruns.append((frame.region, timing))
 
     # -- steps and the plan --------------------------------------------------------------------
 
@@ -407,7 +426,8 @@ class Regions:
         self._group()
         step1 = self.engine.current_step()
         # The excess over the bound must leave (NOTE [ Region plan ], 1).
-        self._saved, self._excess = over_bound(step1, self.engine.mark)
+        self._saved, self._excess = over_bound(step1, self.engine.mark,
+                                               self.engine.carried_over())
         self._rebuilt = step1.recipe_bytes
         found = len(set(self._of.values()))
         if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
@@ -425,7 +445,8 @@ class Regions:
 
     def _plan(self) -> None:
         """NOTE [ Region plan ]."""
-        self.order = order = _timed_order(self._timings, self.simulated)
+        self.order = order = _timed_order(self._timings, self._reruns, self.simulated)
+        self._reruns = []
         t_fwd = sum(r.seconds for r in order)
         bandwidth = self.bandwidth or link_bandwidth(self.engine.device)
         usable = [r for r in order if r.usable]
@@ -499,9 +520,10 @@ class Regions:
                     kept_calls=self._kept_calls)
 
 
-def _timed_order(timings: list, simulated: bool) -> List[Region]:
+def _timed_order(timings: list, reruns: list, simulated: bool) -> List[Region]:
     """The timing step's regions in forward order, each with its ``seconds`` (NOTE [ Region
-    plan ], 3) from its timed spans ([region, start, end, forward waits for copies out])."""
+    plan ], 3) from its timed spans ([region, start, end, forward waits for copies out]) and
+    its reruns in that step's backward ((region, [start, end]))."""
     seen, order = set(), []
     for region, start, end, waits in timings:
         if end is None or isinstance(waits, tuple):      # still running on another thread
@@ -517,6 +539,14 @@ def _timed_order(timings: list, simulated: bool) -> List[Region]:
         if region not in seen:
             seen.add(region)
             order.append(region)
+    # Its rerun in backward ran the same ops without swapping a byte, and is what a recompute
+    # costs: a region counts at the faster of the two.
+    for region, (start, end) in reruns:
+        if region in seen and end is not None:
+            if not simulated:
+                end.synchronize()
+            seconds = (end - start) if simulated else start.elapsed_time(end) / 1e3
+            region.seconds = min(region.seconds, seconds)
     # The timing step learns: its swaps and pins slow some regions down (measured on a 24-layer
     # Llama: 3.4 to 5.4 ms a layer, 115 ms in all, against a plain forward of 62 ms), which made
     # the plan count on copies hiding under a forward twice as long as it is. Blocks of one
