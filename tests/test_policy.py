@@ -221,26 +221,29 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     # Well under the bound with something offloaded: plan for half the unused room less.
     policy.finish_step(plan, peak=400, **followed)
     assert policy.correction == 60 - 100
-    # Allocator retries far under the bound are the cache filling up; near it each one stalls
-    # the GPU, and raises the headroom. Clean steps give it back, down to the floor.
+    # Allocator retries far under the bound are the cache filling up, and a couple near it
+    # cost less than more headroom would; more of them near it raise the headroom. Clean steps
+    # give it back, down to the floor.
     policy.finish_step(plan, peak=0, **dict(followed, retries=5))
+    policy.finish_step(plan, peak=policy.bound - 1, **dict(followed, retries=2))
     assert policy.headroom == limit >> 4
-    policy.finish_step(plan, peak=policy.bound - 1, **dict(followed, retries=1))
+    policy.finish_step(plan, peak=policy.bound - 1, **dict(followed, retries=5))
     raised = policy.headroom
     assert raised > limit >> 4
     policy.correction = -(limit >> 2)           # nothing left to take from the correction
-    # It removed the retry: clean steps give it back, to no lower than a step over where it
-    # retried.
-    policy.finish_step(plan, peak=policy.bound - 1, **followed)
+    # Steps near the bound with one retry each are not clean: the headroom stays.
+    for _ in range(40):
+        policy.finish_step(plan, peak=policy.bound - 1, **dict(followed, retries=1))
+    assert policy.headroom == raised
     for _ in range(40):
         policy.finish_step(plan, peak=0, **followed)
-    assert policy.headroom == policy.floor == (limit >> 4) + (limit >> 7) < raised
+    assert policy.headroom == policy.floor < raised
 
 
 def test_retries_that_more_headroom_does_not_remove_are_the_models_own():
     """A conv net's allocator retries 4-5 times a step whatever the headroom (cuDNN asking for
     workspaces): a raise for them is undone when the next step retries as often, and from then
-    on only retries beyond those count: one more raises it."""
+    on only retries beyond those count, for raising it and against giving it back."""
     limit = 1 << 30
     policy = AutoPolicy(limit=limit, window=1 << 30)
     policy.learning = False
@@ -255,8 +258,11 @@ def test_retries_that_more_headroom_does_not_remove_are_the_models_own():
         policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
     given_back = policy.headroom
     assert given_back < start
-    policy.finish_step(plan, peak=policy.bound - 1, retries=6, **near)
-    assert policy.headroom > given_back                  # one beyond them: raised
+    for _ in range(8):                                   # one beyond them: not clean
+        policy.finish_step(plan, peak=policy.bound - 1, retries=6, **near)
+    assert policy.headroom == given_back
+    policy.finish_step(plan, peak=policy.bound - 1, retries=8, **near)
+    assert policy.headroom > given_back                  # three beyond them: raised
     policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
     assert policy.headroom > given_back                  # and it helped: kept
 
@@ -873,36 +879,3 @@ def test_auto_fits_real_loops_on_a_gpu(loop, monkeypatch):
     said = " ".join(s["policy_note"] for s in steps)
     assert ("benchmark mode tried" in said if loop == "cudnn-benchmark"
             else "the last forward had none" in said), notes
-
-
-def test_a_retry_near_the_bound_raises_the_headroom_under_a_profile_that_predicts_high():
-    """Measured on Lightning's GPT at a 14.2 GiB cap: the profile learnt before regions were
-    recomputed predicted 3.5 GiB over the real peak, the correction went down to a quarter of
-    the limit, and the plan's prediction (the profile's, beside a budget that far over the
-    bound) read as past the bound: two allocator retries a step (12-15 ms each) raised nothing.
-    A prediction under the bound once corrected is not past it; and a step that retried near
-    the bound lowers no correction (that room is the allocator's)."""
-    limit = 640
-    policy = AutoPolicy(limit=limit, window=1 << 30)
-    prof = _profile(fwd_own=[100, 100, 100, 100], fwd_peak=[100, 100, 100, 100],
-                    bwd_own=[0, 100, 100, 100], bwd_peak=[100, 350, 100, 100],
-                    sizes=[100] * 4, last_use=[3, 2, 1, 0])
-    policy.learning, policy.profile = False, prof
-    plan = OffloadPlan()
-    plan.recorded, plan.planned = [100] * 4, True
-    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
-    policy.correction = -200            # the profile predicts 200 over what the steps use
-    policy.begin_step(plan, base=0, first=100)
-    assert plan.target == 0 and policy.predicted_peak == 650 > policy.bound
-    start = policy.headroom
-    policy.finish_step(plan, peak=policy.bound - 1, retries=1, **near)
-    assert policy.headroom > start and "freed its cache" in policy.why
-    # A plan that offloads (the profile's first storage), in a step 20 under the bound: the room
-    # lowers the correction where the allocator did not retry, and not where it did.
-    for retries, lowered in ((1, False), (0, True)):
-        policy = AutoPolicy(limit=limit, window=1 << 30)
-        policy.learning, policy.profile = False, prof
-        policy.begin_step(plan, base=0, first=100)
-        assert plan.target == 100
-        policy.finish_step(plan, peak=policy.bound - 20, retries=retries, **near)
-        assert (policy.correction < 0) == lowered, retries

@@ -35,10 +35,9 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      (use over its level in forward) shows the profile short there: the model's own use is
      raised from that point to the end of forward by what it missed, and the next plan
      offloads earlier storages instead (``_learn_from``). The headroom (room the allocator
-     needs beside what is allocated) starts at limit/16; an allocator retry in a step near
-     the bound (each one a device sync and the cache emptied: 12-15 ms) raises it by
-     limit/64, undone if the next step retries as often (those retries are the model's own,
-     and count no more); a step that retried near the bound lowers no correction; after four clean steps (none with a
+     needs beside what is allocated) starts at limit/16; more than two allocator retries a
+     step near the bound raise it by limit/64, undone if the next step retries as often (those
+     retries are the model's own, and count no more); after four clean steps (none with a
      retry beyond the model's own near the bound) it gives back limit/128, down to limit/32,
      or down to a step over the headroom at which a raise removed retries (no cycle of raise
      and give-back).
@@ -81,7 +80,7 @@ from .protocol import LimitShares
 __all__ = ["AutoPolicy"]
 
 _RELEARN = 16      # AutoPolicy learns a changed sequence again at most this often (steps)
-_RETRIES = 0       # AutoPolicy leaves more headroom past this many allocator retries a step
+_RETRIES = 2       # AutoPolicy leaves more headroom past this many allocator retries a step
 _REPLAN = 8        # AutoPolicy plans again when its budget moved by limit >> _REPLAN
 _MISSED = 6        # and learns from a forward point whose use it missed by more than limit >> this
 
@@ -312,10 +311,7 @@ class AutoPolicy(LimitShares):
         limit, bound, gib = self.limit, self.bound, GiB
         # A plan that predicted a peak over the bound moves all it can already: what is left is
         # the model's own, and neither more headroom nor more correction would change it.
-        # (The prediction is the learnt profile's, beside a budget moved by the correction: a
-        # profile that over-predicts, learnt before regions were recomputed, say, planned
-        # against a budget over the bound, and its prediction past the bound is not one.)
-        beyond = self.predicted_peak + self.correction > bound
+        beyond = self.predicted_peak > bound
         raised, self._raised = self._raised, None
         if raised is not None and retries < raised[0]:
             # More headroom removed retries: the headroom they came at is too little, and is
@@ -344,14 +340,12 @@ class AutoPolicy(LimitShares):
                         f"(a library fell back to less memory): headroom raised to "
                         f"{self.headroom / gib:.2f} GiB")
         elif pressure > _RETRIES and peak > bound - self.headroom and not beyond:
-            # The allocator freed its cache to go on (a device sync) near the bound: leave it
-            # more room. Retries far under the bound are the cache filling up, not pressure
-            # lmsrt makes (measured: two a step at 14.3 GiB of an 18 GiB cap on an LM). Each one
-            # near it stalls the GPU 12-15 ms (a torch profile of Lightning's GPT at a 14.2 GiB
-            # cap on an H200: the gaps before the loss's backward allocation; two a step, 15% of
-            # its 0.186 s), where the link moves 0.7 GiB in that time, mostly hidden under
-            # compute. Retries that more headroom does not remove are the model's own (above)
-            # and undo the raise at the next step.
+            # The allocator freed its cache to go on (a device sync) near the bound, more than
+            # a couple of times: leave it more room. Retries far under the bound are the cache
+            # filling up, not pressure lmsrt makes (measured: two a step at 14.3 GiB of an 18
+            # GiB cap on an LM); two a step near it cost less than the bytes that more headroom
+            # moves (measured on the LM at 18 GiB: 0.56 s a step at 1.1 GiB of headroom, 0.60 s
+            # once two retries a step had raised it to 2 GiB, still with two).
             self._raised = (retries, self.headroom)
             self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
             self._clean = 0
@@ -379,11 +373,9 @@ class AutoPolicy(LimitShares):
             pressed = pressure > 0 and peak > bound - self.headroom
             self._clean = 0 if pressed else self._clean + 1
             room = bound - peak
-            if (room > limit >> 6 and not pressed and self._cutoff > 0
-                    and self.correction > -(limit >> 2)):
+            if room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2):
                 # Predicted high (the learning step's own use is not quite a planned step's):
-                # keep half the unused room's worth more from the next step. Not where the
-                # allocator retried near the bound: that room is the allocator's.
+                # keep half the unused room's worth more from the next step.
                 self.correction = max(-(limit >> 2), self.correction - room // 2)
                 self.why = (f"the step peaked {room / gib:.2f} GiB under the bound: planning for "
                             f"{self.correction / gib:+.2f} GiB against what was learnt")
