@@ -400,3 +400,35 @@ def test_decisions_about_large_storages_read_gpu_use_exactly():
     assert len(reads) - before >= len(big)
     engine.end_forward()
     lms.close()
+
+
+class _KernelChosenWithoutAMode(torch.nn.Module):
+    """Saves one more tensor when no dispatch mode is on the stack, as a library may choose
+    another kernel there (NOTE [ Lean steps that leave the plan ])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(128, 128), torch.nn.Linear(128, 128)
+
+    def forward(self, x):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        h = torch.tanh(self.a(x))
+        if _get_current_dispatch_mode() is None:
+            h = h * torch.ones_like(h)          # the same values, one more tensor saved
+        return torch.tanh(self.b(h))
+
+
+def test_a_lean_step_that_saves_another_sequence_ends_lean_steps():
+    """Measured on the Trainer at 20 GiB: every second step, planned to keep everything and
+    noting no recipes, saved another sequence and swapped 9.5 GiB. The first such step ends
+    lean steps for the run; every later step follows the plan, exactly."""
+    model = _KernelChosenWithoutAMode()
+    x = torch.randn(256, 128)
+    lms = make_lms("sim", capacity=1 << 30, lms_frac="auto")
+    for _ in range(8):
+        assert_same(train_step(model, x), train_step(model, x, lms=lms))
+    history = lms.stats()["history"]
+    modes = [s["mode"] for s in history]
+    left = [s["step"] for s in history if "no more such steps" in s["policy_note"]]
+    assert len(left) == 1 and modes[left[0]:] == ["plan"] * (len(modes) - left[0]), modes

@@ -1,5 +1,17 @@
 """Where steps begin and end: the step state made afresh, the plan begun at the first save, the
-step's figures read at its end."""
+step's figures read at its end.
+
+NOTE [ Lean steps that leave the plan ]
+  A planned step that offloads nothing after a step that moved nothing is lean: it notes no
+  recipes for rebuilding (no dispatch mode on the stack) and, where the copy path is built, its
+  packs are decided in C++ (NOTE [ Steps that keep everything ]). If such a step saves another
+  sequence of storages than the step before it, which followed the plan (a library's kernel
+  chosen differently without the mode on the stack, say), the rest of it is reactive and swaps
+  all it can, and the next step, having moved bytes, is not lean and follows the plan again: a
+  slow step every other step (measured on the transformers Trainer at a 20 GiB cap on an H200:
+  9.5 GiB moved and 0.53 s every second step against 0.25). So the first lean step that leaves
+  the plan ends lean steps for the run: every later step notes recipes in Python, as the steps
+  that followed the plan did."""
 from __future__ import annotations
 
 import threading
@@ -17,7 +29,8 @@ class StepState:
     """What the engine knows of the step in flight. Made afresh as each step begins
     (``begin_forward``), so nothing of a step outlives it by being forgotten in a reset."""
 
-    __slots__ = ("index", "by_ptr", "base", "keeps_all", "largest", "sigs", "beyond_plan", "over",
+    __slots__ = ("index", "by_ptr", "base", "keeps_all", "lean", "largest", "sigs", "beyond_plan",
+                 "over",
                  "rec", "rec_lmsrt", "step_peak", "deferred_kept", "forward_end_use", "bwd_point",
                  "retries_before", "failures_before", "cpu_before")
 
@@ -26,6 +39,8 @@ class StepState:
         self.by_ptr: dict = {}         # storage address -> Offloaded/Kept, for this forward
         self.base = None               # GPU use at the step's first save (None: not yet)
         self.keeps_all = False         # the step's plan keeps everything (set at its first save)
+        self.lean = False              # it began as one that keeps everything: no recipes noted,
+                                       # or decided in C++ (NOTE [ Lean steps that leave the plan ])
         self.largest = (0, 0)          # (bytes, save index) of this forward's largest storage
         self.sigs: dict = {}           # forward point -> signature of its recipe
         self.beyond_plan = 0           # bytes swapped beyond the plan
@@ -136,8 +151,9 @@ class StepBoundaries:
                 # the op's dispatch through Python and objects for the collector: docs/design.md,
                 # "Measurements behind the engine's rules"). Should it swap after all, it
                 # copies; the step after notes recipes again.
-                self.rebuilds.noting = self.rebuilds.worthwhile and not (
-                    self.plan.planned and self.plan.target == 0 and not self._swapped_last)
+                self.state.lean = lean = (self.plan.planned and self.plan.target == 0
+                                          and not self._swapped_last and not self._lean_left)
+                self.rebuilds.noting = self.rebuilds.worthwhile and not lean
                 self.rebuilds.follow_noting()
             self.host.new_step()
             self.optimizer_mover.new_step()
@@ -158,8 +174,9 @@ class StepBoundaries:
             st.rec_lmsrt = self._lmsrt_bytes()
         step.plan_target_bytes = plan.target if plan.planned else 0
         rebuilds = self.rebuilds
-        st.keeps_all = (policy.lean_step(plan)
+        st.keeps_all = (policy.lean_step(plan) and not self._lean_left
                         and (rebuilds is None or not (rebuilds.noting or rebuilds.retaining)))
+        st.lean = st.lean or st.keeps_all
         step.bound_bytes = self.mark
         for name, value in policy.step_figures().items():
             setattr(step, name, value)
@@ -207,6 +224,10 @@ class StepBoundaries:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         followed = self.plan.finish_step(rebuildable)
+        left = (self.state.lean and not followed and self._followed_last
+                and not self._lean_left)
+        self._lean_left = self._lean_left or left   # NOTE [ Lean steps that leave the plan ]
+        self._followed_last = followed
         self._swapped_last = s.out_bytes + s.recipe_bytes + self.state.deferred_kept
         s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
         # Judged by its training pass, not the optimizer's update after it (NOTE [ Optimizer
@@ -220,6 +241,10 @@ class StepBoundaries:
                                 retries=s.alloc_retries, failures=s.alloc_failures,
                                 over=self.state.over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
+        if left:
+            s.policy_note = ("a step that kept everything saved another sequence than the one "
+                             "before it: no more such steps" + (f"; {s.policy_note}"
+                                                               if s.policy_note else ""))
         self.state.rec = None
         self.run_stats.add(s)
         self.device.reset_peak()
