@@ -621,3 +621,37 @@ def test_the_blocks_found_and_refused_are_said_once():
     assert lines[0].startswith("lmsrt: 5 repeated blocks (blocks[0..2], MLP; blocks[3,4], "
                                "QatBlock); refused: blocks[3]: its forward changed buffer"), lines
     assert set(_regions(lms)["refused"]) == {"blocks[3]", "blocks[4]"}
+
+
+# -- cuDNN's benchmark mode: its choices are per thread ----------------------------------------
+
+class ConvBlock(nn.Module):
+    """A residual conv block of a torchvision-style net."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_conv_blocks_under_cudnn_benchmark_mode_are_recomputed_exactly(channels_last):
+    """torchvision's reference trainer turns cuDNN's benchmark mode on. Its choices of algorithm
+    are cached per thread (cuDNN's execution plans), and a region's rerun runs on autograd's
+    thread: there cuDNN times its algorithms again (1.1 s more in the timing step of resnet152 at
+    12 GiB on an H200) and may choose another forward algorithm than forward's thread did, whose
+    rounding differs. The gradients must still be those of the run without lmsrt, bit for bit,
+    deterministic mode on (the plain run is not reproducible without it)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(16, 64, 56, 56).to(memory_format=fmt)
+    was = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        lms = _exact("cuda", lambda: Stack(ConvBlock, 4).to(memory_format=fmt), x)
+    finally:
+        torch.backends.cudnn.benchmark = was
+    assert _recomputed(lms) > 0, _regions(lms)["note"]
