@@ -45,14 +45,17 @@ def _train(model, x, steps, lms=None, loss_of=None, between=None, seed=0):
     return out
 
 
-def _exact(kind, make, x, steps=4, **kw) -> lmsrt.LMS:
-    """Train ``make()`` without and with a forced-regions LMS; assert both the same."""
+def _exact(kind, make, x, steps=4, tuning=False, **kw) -> lmsrt.LMS:
+    """Train ``make()`` without and with a forced-regions LMS; assert both the same.
+    ``tuning``: the simulated device stands in for cuDNN's benchmark mode."""
     dev = torch_device(kind)
     torch.manual_seed(0)
     plain_model = make().to(dev)
     model = make().to(dev)
     model.load_state_dict(plain_model.state_dict())
     lms = _lms(kind)
+    if tuning:
+        lms._device.tuning = True
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)        # bit-exact comparisons on CUDA
     try:
@@ -644,8 +647,9 @@ def test_conv_blocks_under_cudnn_benchmark_mode_are_recomputed_exactly(channels_
     are cached per thread (cuDNN's execution plans), and a region's rerun runs on autograd's
     thread: there cuDNN times its algorithms again (1.1 s more in the timing step of resnet152 at
     12 GiB on an H200) and may choose another forward algorithm than forward's thread did, whose
-    rounding differs. The gradients must still be those of the run without lmsrt, bit for bit,
-    deterministic mode on (the plain run is not reproducible without it)."""
+    rounding differs (NOTE [ Reruns under cuDNN's benchmark mode ]). The gradients must still be
+    those of the run without lmsrt, bit for bit, deterministic mode on (the plain run is not
+    reproducible without it): the blocks are recomputed, or refused for that reason."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(16, 64, 56, 56).to(memory_format=fmt)
     was = torch.backends.cudnn.benchmark
@@ -654,4 +658,36 @@ def test_conv_blocks_under_cudnn_benchmark_mode_are_recomputed_exactly(channels_
         lms = _exact("cuda", lambda: Stack(ConvBlock, 4).to(memory_format=fmt), x)
     finally:
         torch.backends.cudnn.benchmark = was
-    assert _recomputed(lms) > 0, _regions(lms)["note"]
+    refused = _regions(lms)["refused"]
+    assert (_recomputed(lms) > 0 if not refused
+            else all("benchmark mode" in why for why in refused.values())), _regions(lms)
+
+
+class ChosenPerThread(nn.Module):
+    """Stands in for a kernel whose algorithm cuDNN's benchmark mode chooses per thread: run
+    inside backward (a region's rerun, on autograd's thread), it rounds otherwise."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if torch._C._current_graph_task_id() != -1:
+            h = h * (1 + 2 ** -20)
+        return x + F.gelu(h)
+
+
+@pytest.mark.parametrize("block", [MLP, ChosenPerThread], ids=["same-bits", "other-bits"])
+def test_reruns_under_a_device_that_tunes_its_algorithms_are_checked_bit_for_bit(block):
+    """NOTE [ Reruns under cuDNN's benchmark mode ]: a rerun that computes other bits than its
+    forward is caught by the check of its kind of call: the originals go to backward, the
+    regions are refused, and every step is exact; one that computes the same bits drops from
+    the next step on."""
+    lms = _exact("sim", lambda: Stack(block, 4), torch.randn(8, 32), steps=5, tuning=True)
+    refused = _regions(lms)["refused"]
+    if block is MLP:
+        assert not refused and _recomputed(lms) > 0, _regions(lms)
+    else:
+        assert len(refused) == 4 and all("benchmark mode" in why for why in refused.values()), \
+            refused

@@ -81,6 +81,8 @@ class Frame:
         self.outer: Dict[int, object] = {}         # kept: the engine's handles (Rule 3)
         self.params: set = set()      # indices of parameters (and views of them): always kept
         self.again: Optional[Dict[int, torch.Tensor]] = None   # from the last recompute
+        self.check: Optional[Dict[int, torch.Tensor]] = None   # held to check the rerun by
+        self.kind = None              # its kind of call, while checked (reruns.py)
         self.dropped = False
         self.nbytes = 0               # bytes dropped (storages other than inputs and parameters)
         self.depth = 1                # module calls running inside it (its first one, at entry)
@@ -134,9 +136,10 @@ class Frame:
             self.keep()
         return why
 
-    def settle(self) -> bool:
+    def settle(self, check: bool = False) -> bool:
         """Drop what its ops saved (Rule 3), unless an input its ops did not save was changed
-        in place since it returned (``x += block(x)``): then keep them. Returns whether kept."""
+        in place since it returned (``x += block(x)``): then keep them. Returns whether kept.
+        ``check``: hold on to the dropped tensors to check the rerun by (reruns.py)."""
         moved = any(t._version != v for i, t, v in self.inputs if i in self.unsaved)
         self.inputs = []
         if self.unpacked:               # backward came first: it has what it needs
@@ -144,9 +147,12 @@ class Frame:
         if moved:
             self.keep()
             return True
+        held = self.check = {} if check else None
         for index, meta in enumerate(self.meta):
             if index not in self.params:
-                del self.saved[index]
+                tensor = self.saved.pop(index)
+                if held is not None:
+                    held[index] = tensor.detach()   # (the alias itself becomes the counter)
                 meta[0] = counter_only(meta[0])
         self.dropped = True
         return False

@@ -52,7 +52,8 @@ NOTE [ Recomputed regions ]
     TorchScript, a module holding a ``torch.Generator``, forward hooks of the user's or global
     ones not lmsrt's, a forward that changed a parameter or buffer in place (batch norm's
     statistics apart) or an input, or drew from Python's or numpy's generator (checked on a
-    region's first calls). Not seen: other generators, writes that bump no version.
+    region's first calls). Not seen: other generators, writes that bump no version. Under
+    cuDNN's benchmark mode each kind of call's rerun is checked once, bit for bit (reruns.py).
   Rule 7 (parameters between forward and backward). Before an optimizer steps or ``p.data`` is
     read or set (params.py), dropped regions that read those parameters run again at once
     (``materialize``). A parameter or buffer changed otherwise in place is found as the rerun
@@ -114,6 +115,7 @@ from ..units import format_bytes
 from .finder import BlockFinder, Region, blocks_line
 from .frames import Frame, rerun
 from .plan import StepFigures, checked, choose_regions, over_bound
+from .reruns import RerunCheck
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
 
@@ -163,6 +165,7 @@ class Regions:
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._reruns: list = []         # (region, [start, end]) of the timing step's reruns
         self._kept_calls = 0            # this step's region calls that kept their tensors
+        self._rerun_check = RerunCheck(engine.device)
         self._span: list = []           # forward's first region start and last region end
         _flush_dead()                   # hooks of Regions collected before this one
         me = weakref.ref(self)
@@ -301,7 +304,10 @@ class Regions:
         # What a call saves is what recomputing it frees, also where this call keeps (its
         # unsaved inputs changed: later calls copy them, and drop).
         frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
-        if frame.settle():
+        if self._rerun_check.keeps(frame, self.refuse, self.step):    # reruns.py
+            self._kept_calls += 1
+            return
+        if frame.settle(check=frame.kind is not None):
             frame.region.copies = True      # Rule 5: from now on its inputs are copied
         if not frame.dropped:
             self._kept_calls += 1
@@ -380,6 +386,7 @@ class Regions:
         timing = self._mark()
         rerun(frame)
         self._end(timing)
+        self._rerun_check.compare(frame, self.refuse)
         self._recomputes.append(timing)
         if self.phase == "timing":
             self._reruns.append((frame.region, timing))
