@@ -9,9 +9,11 @@ NOTE [ Lean steps that leave the plan ]
   chosen differently without the mode on the stack, say), the rest of it is reactive and swaps
   all it can, and the next step, having moved bytes, is not lean and follows the plan again: a
   slow step every other step (measured on the transformers Trainer at a 20 GiB cap on an H200:
-  9.5 GiB moved and 0.53 s every second step against 0.25). So the first lean step that leaves
-  the plan ends lean steps for the run: every later step notes recipes in Python, as the steps
-  that followed the plan did."""
+  9.5 GiB moved and 0.53 s every second step against 0.25). So a lean step that leaves the plan
+  after a step that followed it ends lean steps for 8 steps, twice as many at each recurrence
+  (16, 32, ...): the steps between note recipes in Python, as the steps that followed the plan
+  did. Not for good: a batch that differs once (an epoch's last) leaves the plan the same way,
+  and a model that fits would pay the Python hooks for the rest of its run."""
 from __future__ import annotations
 
 import threading
@@ -152,7 +154,8 @@ class StepBoundaries:
                 # "Measurements behind the engine's rules"). Should it swap after all, it
                 # copies; the step after notes recipes again.
                 self.state.lean = lean = (self.plan.planned and self.plan.target == 0
-                                          and not self._swapped_last and not self._lean_left)
+                                          and not self._swapped_last
+                                          and self.step.step >= self._lean_from)
                 self.rebuilds.noting = self.rebuilds.worthwhile and not lean
                 self.rebuilds.follow_noting()
             self.host.new_step()
@@ -174,7 +177,7 @@ class StepBoundaries:
             st.rec_lmsrt = self._lmsrt_bytes()
         step.plan_target_bytes = plan.target if plan.planned else 0
         rebuilds = self.rebuilds
-        st.keeps_all = (policy.lean_step(plan) and not self._lean_left
+        st.keeps_all = (policy.lean_step(plan) and self.step.step >= self._lean_from
                         and (rebuilds is None or not (rebuilds.noting or rebuilds.retaining)))
         st.lean = st.lean or st.keeps_all
         step.bound_bytes = self.mark
@@ -224,9 +227,10 @@ class StepBoundaries:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         followed = self.plan.finish_step(rebuildable)
-        left = (self.state.lean and not followed and self._followed_last
-                and not self._lean_left)
-        self._lean_left = self._lean_left or left   # NOTE [ Lean steps that leave the plan ]
+        left = self.state.lean and not followed and self._followed_last
+        if left:                        # NOTE [ Lean steps that leave the plan ]
+            ban, self._lean_ban = self._lean_ban, self._lean_ban * 2
+            self._lean_from = s.step + 1 + ban
         self._followed_last = followed
         self._swapped_last = s.out_bytes + s.recipe_bytes + self.state.deferred_kept
         s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
@@ -242,9 +246,9 @@ class StepBoundaries:
                                 over=self.state.over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
         if left:
-            s.policy_note = ("a step that kept everything saved another sequence than the one "
-                             "before it: no more such steps" + (f"; {s.policy_note}"
-                                                               if s.policy_note else ""))
+            s.policy_note = (f"a step that kept everything saved another sequence than the one "
+                             f"before it: none for {ban} steps" + (f"; {s.policy_note}"
+                                                                   if s.policy_note else ""))
         self.state.rec = None
         self.run_stats.add(s)
         self.device.reset_peak()
