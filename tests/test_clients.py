@@ -63,14 +63,16 @@ def _forced() -> lmsrt.LMS:
     return lms
 
 
-def _check(name: str, argv, forced: bool) -> lmsrt.LMS:
+def _check(name: str, argv, forced: bool, tuning: bool = False) -> lmsrt.LMS:
     """Train ``name`` tiny without lmsrt and under it; the state after the last step is the same
-    bit for bit, and every step ran. Returns the LMS for more checks."""
+    bit for bit, and every step ran. Returns the LMS for more checks. ``tuning``: the simulated
+    device stands in for cuDNN's benchmark mode."""
     client = _client(name)
     common = sys.modules["common"]
     args = client.parse(argv)
     plain = client.train(args)
     lms = _forced() if forced else lmsrt.LMS(device="sim")
+    lms._device.tuning = tuning
     timer = common.StepTimer()
     try:
         under = client.train(args, lms=lms, timer=timer)
@@ -130,6 +132,16 @@ def test_blocks_are_recomputed_exactly_when_made_to(name, extra):
     lms = _check(name, ["--tiny", "--steps", "4", *extra], forced=True)
     regions = lms.stats()["regions"]
     assert regions and regions["regions"] > 0, regions
+    assert not regions["refused"], regions["refused"]
+    assert lms.stats()["total"]["recomputed_bytes"] > 0, regions["note"]
+
+
+def test_torchvisions_blocks_are_checked_and_recomputed_under_benchmark_mode():
+    """NOTE [ Reruns under cuDNN's benchmark mode ]: resnet's bottlenecks (batch norms, a
+    downsampling first block per stage) pass the check of each kind of call and are recomputed,
+    exactly."""
+    lms = _check("tv_reference", ["--tiny", "--steps", "4"], forced=True, tuning=True)
+    regions = lms.stats()["regions"]
     assert not regions["refused"], regions["refused"]
     assert lms.stats()["total"]["recomputed_bytes"] > 0, regions["note"]
 

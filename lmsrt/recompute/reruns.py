@@ -10,19 +10,22 @@
   region's module classes; its inputs' shapes, strides and dtypes; autocast) is checked in
   backward before its drops are trusted: in a step, the first call of a kind not yet checked
   holds on to what it saved as well as dropping it, and its rerun is compared with that bit for
-  bit; the kind's other calls in that step keep what they save (the engine keeps or swaps it,
-  as for any region not recomputed). The same bits: calls of that kind drop from then on
-  (autograd's thread keeps its choice for the run). Other bits: the originals go to backward
-  (the step stays exact) and every region called with that kind is refused, said once. A check
-  holds one call's saved tensors per kind beside the plan's, in one step (the first that drops:
-  a learning step); one whose call was not rerun in backward (no backward through it, or a rerun
-  forced before an optimizer step, on forward's thread) is made again in a later step.
+  bit (batch norm's running statistics apart: its op saves them, the rerun updates copies of
+  them, and backward in training mode does not read them); the kind's other calls in that
+  step keep what they save (the engine keeps or swaps it, as for any region not recomputed).
+  The same bits: calls of that kind drop from then on (autograd's thread keeps its choice for
+  the run). Other bits: the originals go to backward (the step stays exact) and every region
+  called with that kind is refused, said once. A check holds one call's saved tensors per kind
+  beside the plan's, in one step (the first that drops: a learning step); one whose call was not
+  rerun in backward (no backward through it, or a rerun forced before an optimizer step, on
+  forward's thread) is made again in a later step.
 """
 from __future__ import annotations
 
 from typing import Callable, Dict
 
 import torch
+from torch import nn
 
 __all__ = ["RerunCheck"]
 
@@ -66,11 +69,21 @@ class RerunCheck:
         held, frame.check = frame.check, None
         if held is None or torch._C._current_graph_task_id() == -1:
             return                      # not checked, or not on autograd's thread: again later
-        same = all(torch.equal(frame.again[i], t) for i, t in held.items() if i in frame.again)
+        stats = _norm_statistics(frame.region)
+        same = all(torch.equal(frame.again[i], t) for i, t in held.items()
+                   if i in frame.again and t.untyped_storage().data_ptr() not in stats)
         self.verdicts[frame.kind] = same
         if not same:
             frame.again.update(held)
             refuse(frame.region, _DIFFERS)
+
+
+def _norm_statistics(region) -> set:
+    """Storages of the running statistics of the region's norms: their op saves them, the rerun
+    updates copies of them (Rule 4), and backward in training mode does not read them."""
+    return {b.untyped_storage().data_ptr() for module in region.modules
+            for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+            for b in m.buffers() if b is not None}
 
 
 def _kind(frame) -> tuple:
