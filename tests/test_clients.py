@@ -136,11 +136,12 @@ def test_blocks_are_recomputed_exactly_when_made_to(name, extra):
     assert lms.stats()["total"]["recomputed_bytes"] > 0, regions["note"]
 
 
-def test_torchvisions_blocks_are_checked_and_recomputed_under_benchmark_mode():
-    """NOTE [ Reruns under cuDNN's benchmark mode ]: resnet's bottlenecks (batch norms, a
-    downsampling first block per stage) pass the check of each kind of call and are recomputed,
-    exactly."""
-    lms = _check("tv_reference", ["--tiny", "--steps", "4"], forced=True, tuning=True)
+@pytest.mark.parametrize("name, extra", REGIONS)
+def test_blocks_are_checked_and_recomputed_under_benchmark_mode(name, extra):
+    """NOTE [ Reruns under cuDNN's benchmark mode ]: each client's blocks (decoder layers called
+    with keyword arguments; resnet's bottlenecks with batch norms and a downsampling first block
+    per stage) pass the check of each kind of call and are recomputed, exactly."""
+    lms = _check(name, ["--tiny", "--steps", "4", *extra], forced=True, tuning=True)
     regions = lms.stats()["regions"]
     assert not regions["refused"], regions["refused"]
     assert lms.stats()["total"]["recomputed_bytes"] > 0, regions["note"]
