@@ -227,11 +227,12 @@ class StepBoundaries:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         followed = self.plan.finish_step(rebuildable)
-        left = self.state.lean and not followed and self._followed_last
+        history = self.run_stats.history
+        left = (self.state.lean and not followed and bool(history)
+                and history[-1].mode == "plan")     # (the step before followed its plan)
         if left:                        # NOTE [ Lean steps that leave the plan ]
             ban, self._lean_ban = self._lean_ban, self._lean_ban * 2
             self._lean_from = s.step + 1 + ban
-        self._followed_last = followed
         self._swapped_last = s.out_bytes + s.recipe_bytes + self.state.deferred_kept
         s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
         # Judged by its training pass, not the optimizer's update after it (NOTE [ Optimizer

@@ -105,7 +105,6 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         self._held: collections.deque = collections.deque()  # swapped, source still on the GPU
         self._deferred: collections.deque = collections.deque()   # waiting for a pin to copy out
         self._swapped_last = 0          # bytes the last finished step swapped or rebuilt
-        self._followed_last = False     # whether it followed its plan
         self._lean_from = 0             # the first step that may be lean (boundaries.py)
         self._lean_ban = 8              # steps without lean ones once a lean step left the plan
         self._held_bytes = 0

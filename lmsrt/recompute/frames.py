@@ -22,7 +22,7 @@ from ..hook_stack import remove_own_hooks
 from ..options import spelled
 from .safety import ambient, generator_states, restore_ambient
 
-__all__ = ["Frame", "rerun"]
+__all__ = ["Frame", "rerun", "running_norms"]
 
 _TURN_OFF = f"Turn recompute off (recompute=False, {spelled('recompute', False)})."
 
@@ -223,6 +223,14 @@ class Frame:
         return t.detach().requires_grad_(grad)
 
 
+def running_norms(region) -> list:
+    """The region's norms whose running statistics a forward in training mode updates: the
+    rerun updates copies of them (Rule 4)."""
+    return [m for module in region.modules for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+            and m.track_running_stats]
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """A trainable leaf or a view of one: alive anyway, so kept rather than recomputed."""
     base = t if t._base is None else t._base
@@ -286,10 +294,7 @@ def rerun(frame: Frame) -> None:
                 f"now on (said once). {_TURN_OFF}")
         # Rule 4: the rerun updates copies of the running statistics, which then go (the
         # buffers themselves are never written: they may be saved tensors too).
-        norms = [m for module in region.modules for m in module.modules()
-                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
-                 and m.track_running_stats]
-        for m in norms:
+        for m in running_norms(region):
             stack.callback(m._buffers.update, dict(m._buffers))
             m._buffers.update((k, b.clone()) for k, b in m._buffers.items() if b is not None)
         stack.enter_context(torch.random.fork_rng(devices=[d for d, _ in frame.gpu_rng]))

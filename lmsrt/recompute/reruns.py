@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 import torch
-from torch import nn
+
+from .frames import running_norms
 
 __all__ = ["RerunCheck"]
 
@@ -69,21 +70,14 @@ class RerunCheck:
         held, frame.check = frame.check, None
         if held is None or torch._C._current_graph_task_id() == -1:
             return                      # not checked, or not on autograd's thread: again later
-        stats = _norm_statistics(frame.region)
+        stats = {b.untyped_storage().data_ptr() for m in running_norms(frame.region)
+                 for b in m.buffers() if b is not None}
         same = all(torch.equal(frame.again[i], t) for i, t in held.items()
                    if i in frame.again and t.untyped_storage().data_ptr() not in stats)
         self.verdicts[frame.kind] = same
         if not same:
             frame.again.update(held)
             refuse(frame.region, _DIFFERS)
-
-
-def _norm_statistics(region) -> set:
-    """Storages of the running statistics of the region's norms: their op saves them, the rerun
-    updates copies of them (Rule 4), and backward in training mode does not read them."""
-    return {b.untyped_storage().data_ptr() for module in region.modules
-            for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-            for b in m.buffers() if b is not None}
 
 
 def _kind(frame) -> tuple:
