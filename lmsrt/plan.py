@@ -25,6 +25,8 @@ import bisect
 import itertools
 from typing import List, Optional
 
+from .units import format_bytes
+
 __all__ = ["OffloadPlan"]
 
 _RELEARN_LIVE = 16
@@ -43,6 +45,8 @@ class OffloadPlan:
         self.expected: Optional[List[int]] = None   # the sequence planned for (None: recorded)
         self.matched = True             # this step's sequence matches the expected one so far
         self.grown = False              # it differed by a larger storage, or by more of them
+        self.diverged: Optional[tuple] = None   # where: (index, bytes expected or None, bytes,
+                                                # shape, dtype), for the notes
         self.repeated = False           # the step just finished repeated the one before it
         self.live: set = set()          # indices whose storage outlived the step anyway
         self.live_now: set = set()      # the same, seen in this step's backward
@@ -78,8 +82,9 @@ class OffloadPlan:
         self.expected = list(sizes)
         self.planned = bool(sizes)
 
-    def offload(self, index: int, nbytes: int) -> bool:
-        """Record storage ``index`` of this step; True if the plan offloads it."""
+    def offload(self, index: int, nbytes: int, tensor=None) -> bool:
+        """Record storage ``index`` of this step (saved as ``tensor``, for the notes); True if
+        the plan offloads it."""
         self.current.append(nbytes)
         if not (self.planned and self.matched):
             return False
@@ -93,7 +98,22 @@ class OffloadPlan:
             return index < self.cutoff
         self.matched = False
         self.grown = index >= len(sequence) or nbytes > sequence[index]
+        self.diverged = (index, sequence[index] if index < len(sequence) else None, nbytes,
+                         None if tensor is None else tuple(tensor.shape),
+                         None if tensor is None else str(tensor.dtype).replace("torch.", ""))
         return False
+
+    def divergence(self) -> str:
+        """Where this step (or the one just finished) left the sequence it was planned for, in
+        words; "" where it did not."""
+        if self.diverged is None:
+            return ""
+        index, expected, nbytes, shape, dtype = self.diverged
+        what = f"{format_bytes(nbytes)}" + (f" ({dtype} {list(shape)})" if shape is not None
+                                             else "")
+        if expected is None:
+            return f"storage {index + 1} saved, {what}, where {index} were planned for"
+        return f"storage {index + 1} was {what} where {format_bytes(expected)} was planned for"
 
     def outgrew(self, learnt: List[int]) -> bool:
         """Whether the step just finished outgrew ``learnt``: where the two first differ, its
@@ -125,6 +145,7 @@ class OffloadPlan:
         self.expected = None
         self.matched = True
         self.grown = False
+        self.diverged = None
         return followed
 
     def set_target(self, target: int) -> None:

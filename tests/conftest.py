@@ -116,8 +116,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def _free_what_earlier_tests_held() -> None:
+    """A CUDA test starts with the GPU memory of the tests before it given back: pytest keeps
+    the last failure's traceback (``sys.last_traceback``, for post-mortem debugging), whose
+    frames hold that test's tensors, and a test that caps the GPU would then count them
+    against its cap (two capped tests failed one after the other that way, each for the one
+    before it)."""
+    import gc
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("cuda") and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if item.get_closest_marker("cuda"):
+        _free_what_earlier_tests_held()
     if item.get_closest_marker("multigpu") and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 or more CUDA GPUs")

@@ -433,3 +433,5 @@ def test_a_lean_step_that_saves_another_sequence_ends_lean_steps_for_a_while():
     reactive = [s["step"] for s in history if s["mode"] != "plan"]
     assert left == [3, 12] and reactive == [1, 3, 12], (left, reactive)
     assert "none for 16 steps" in history[11]["policy_note"]
+    # The note says where: the fourth storage, one the plan did not have.
+    assert "storage 4 saved, 128 KiB (float32 [256, 128])" in history[2]["policy_note"]

@@ -226,6 +226,7 @@ class StepBoundaries:
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
+        where = self.plan.divergence()
         followed = self.plan.finish_step(rebuildable)
         history = self.run_stats.history
         left = (self.state.lean and not followed and bool(history)
@@ -248,8 +249,8 @@ class StepBoundaries:
         s.policy_note = self.policy.note()
         if left:
             s.policy_note = (f"a step that kept everything saved another sequence than the one "
-                             f"before it: none for {ban} steps" + (f"; {s.policy_note}"
-                                                                   if s.policy_note else ""))
+                             f"before it ({where or 'fewer storages'}): none for {ban} steps"
+                             + (f"; {s.policy_note}" if s.policy_note else ""))
         self.state.rec = None
         self.run_stats.add(s)
         self.device.reset_peak()

@@ -120,7 +120,7 @@ class PackSide:
         if st.keeps_all and not self._held and not self._deferred:
             # NOTE [ Steps that keep everything ]
             ref = weakref.ref(storage)
-            plan.offload(index, nbytes)                 # records it; offloads nothing
+            plan.offload(index, nbytes, t)              # records it; offloads nothing
             if plan.matched:
                 level = self.policy.swap_at(plan, index)
                 if self.gauge.use(nbytes, level) - self._held_bytes <= level:
@@ -135,7 +135,7 @@ class PackSide:
         if self._deferred:
             self._settle_deferred()
         return self._keep_or_offload(t, storage, version, nbytes, index, ref,
-                                     plan.offload(index, nbytes))
+                                     plan.offload(index, nbytes, t))
 
     def _keep_or_offload(self, t: torch.Tensor, storage, version: int, nbytes: int, index: int,
                          ref, planned: bool):
