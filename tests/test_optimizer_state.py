@@ -802,13 +802,22 @@ def test_a_resumed_run_moves_the_state_it_loads_as_the_first_run_did():
 
 
 def test_the_step_hooks_go_with_the_last_mover():
+    """lmsrt's two global step hooks are there while a mover is open, and go with the last
+    (another test's LMS, held by a graph it left unfinished, may still be open)."""
     from torch.optim import optimizer as optim
-    before = (len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks))
+
+    from lmsrt.movers import optimizer as movers
+
+    def ours():
+        return [sum(getattr(h, "__module__", "") == movers.__name__ for h in hooks.values())
+                for hooks in (optim._global_optimizer_pre_hooks,
+                              optim._global_optimizer_post_hooks)]
+
     lms = make_lms("sim", optimizer_state="host", recompute=False)
-    assert len(optim._global_optimizer_post_hooks) == before[1] + 1
+    assert ours() == [1, 1]
     lms.close()
-    assert (len(optim._global_optimizer_pre_hooks),
-            len(optim._global_optimizer_post_hooks)) == before
+    others = any(ref() is not None and not ref().closed for ref in movers._movers)
+    assert ours() == ([1, 1] if others else [0, 0])
 
 
 def test_a_bad_optimizer_state_setting_says_what_to_give():

@@ -26,11 +26,14 @@ _LEARNING = 2            # a region's first calls whose inputs are watched after
 class Region:
     """A repeated block (or a stage of a Sequential), its measurements and the plan's choice."""
 
-    __slots__ = ("name", "modules", "chain", "usable", "why", "nbytes", "seconds", "chosen",
+    __slots__ = ("name", "_modules", "chain", "usable", "why", "nbytes", "seconds", "chosen",
                  "state", "param_ids", "copies", "learning", "__weakref__")
 
     def __init__(self, name: str, modules: tuple, chain: bool):
-        self.name, self.modules, self.chain = name, modules, chain
+        # Weakly: the finder maps a region's first module to it in a WeakKeyDictionary, whose
+        # entry would otherwise hold its own key, and with it the user's dropped model.
+        self._modules = tuple(weakref.ref(m) for m in modules)
+        self.name, self.chain = name, chain
         self.usable, self.why = True, ""
         self.nbytes, self.seconds = 0, 0.0
         self.chosen = False
@@ -38,6 +41,11 @@ class Region:
         self.param_ids: set = set()
         self.copies = False         # copy inputs its ops did not save (Rule 5)
         self.learning = _LEARNING   # calls left whose drop waits for the next region's entry
+
+    @property
+    def modules(self) -> tuple:
+        """Its modules, in call order (a region is found again if its model is dropped)."""
+        return tuple(ref() for ref in self._modules)
 
 
 def repeated_children(children: Sequence[nn.Module]) -> List[int]:
@@ -66,6 +74,7 @@ class BlockFinder:
         self.out_bytes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # in the model
         self.kwargs_of: Optional[int] = None     # the id of the global pre-hook given kwargs
+        self.found: List[Region] = []   # every region found, in order (its model may be gone)
 
     def note_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """Step 1: the size of what a child of a mixed Sequential passes on."""
@@ -114,6 +123,7 @@ class BlockFinder:
         (Rule 6)."""
         first = region.modules[0]
         self.of[first] = region
+        self.found.append(region)
         if self.kwargs_of is not None and not region.chain:
             # torch calls a pre-hook with kwargs where the module names its id so.
             first._forward_pre_hooks_with_kwargs[self.kwargs_of] = True

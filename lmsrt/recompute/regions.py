@@ -503,7 +503,7 @@ class Regions:
 
     def _found(self) -> List[Region]:
         """Every region found, in forward order where known."""
-        return list(dict.fromkeys(self.order + list(self._of.values())))
+        return list(dict.fromkeys(self.order + self.finder.found))
 
     def _say_blocks(self) -> None:
         """Once: the blocks found and those refused, with why (Rule 6)."""
@@ -516,7 +516,7 @@ class Regions:
         """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
         first); of the step in flight, its ``StepStats``' figures and the calls that kept."""
         step = self.engine.step
-        return dict(regions=len(self.order) or len(set(self._of.values())),
+        return dict(regions=len(self.order) or len(self.finder.found),
                     phase=self.phase, planned=sum(r.chosen for r in self.order),
                     figures=self.figures and dataclasses.asdict(self.figures),
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import weakref
 from typing import Callable, List, Tuple
 
 import torch
@@ -105,11 +106,17 @@ def _foreign_global_hooks() -> str:
 class BlockState:
     """What one region reads besides its arguments: its modules by name, and the checks."""
 
-    __slots__ = ("named", "calls")
+    __slots__ = ("_named", "calls")
 
     def __init__(self, named: List[Tuple[str, nn.Module]]):
-        self.named = named          # (qualified name, module) of every module in the region
+        # (qualified name, module) of every module in the region, the modules held weakly
+        # (as ``Region.modules``: a dropped model is freed).
+        self._named = [(name, weakref.ref(m)) for name, m in named]
         self.calls = 0              # calls checked for Python's and numpy's generators
+
+    @property
+    def named(self) -> List[Tuple[str, nn.Module]]:
+        return [(name, m) for name, ref in self._named if (m := ref()) is not None]
 
     def refusal(self) -> str:
         """Why the region can never be recomputed (checked once), or ""."""
