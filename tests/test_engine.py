@@ -201,13 +201,13 @@ def test_prefetch_runs_in_reverse_save_order():
     lms = make_lms("sim", prefetch_mb=1)
     engine = lms._engine
     fetched = []
-    fetch = engine._fetch
+    copy_in = engine.copies.copy_in
 
-    def spy(s):
-        fetched.append(s.index)
-        fetch(s)
+    def spy(block, slot, stream):               # each fetch copies its storage's slot in
+        fetched.append(next(s.index for s in engine.prefetch.order if s.host is slot))
+        return copy_in(block, slot, stream)
 
-    engine._fetch = spy
+    engine.copies.copy_in = spy
     assert_same(train_step(model, x), train_step(model, x, lms=lms))
     step = lms.stats()["last_step"]
     # The input and the output train_step holds are alive anyway: used in place, not fetched.

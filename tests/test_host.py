@@ -215,13 +215,20 @@ def test_a_pin_delay_shows_as_pinning_time_not_as_waiting():
     pool.close()
 
 
+def _with_pool(lms, pool: HostPool) -> None:
+    """``lms``'s engine takes host memory from ``pool`` instead of its own (closed): the engine
+    and its deferred copies share one pool."""
+    engine = lms._engine
+    engine.host.close()
+    engine.host = engine.deferred.host = pool
+
+
 def _lagging_lms(pin_delay=0.0):
     """An LMS whose pool pins in small chunks on two threads: a step that needs more host
     memory than the last one waits for pins, or lags behind them."""
     device = SimulatedDevice(pin_threads=2, pin_delay=pin_delay)
     lms = lmsrt.LMS(device=device, lms=1, lms_frac=0.0)
-    lms._engine.host.close()
-    lms._engine.host = HostPool(device, None, chunk_min=64 << 10, chunk_max=64 << 10)
+    _with_pool(lms, HostPool(device, None, chunk_min=64 << 10, chunk_max=64 << 10))
     return lms, device
 
 
@@ -885,7 +892,6 @@ def test_cuda_exact_gradients_while_pins_lag_behind_a_tiny_pool():
     ref = train_step(model, x)
     lms = make_lms("cuda")
     engine = lms._engine
-    engine.host.close()
     device = engine.device
     pinned = device.pinned
 
@@ -894,7 +900,7 @@ def test_cuda_exact_gradients_while_pins_lag_behind_a_tiny_pool():
         return pinned(nbytes)
 
     device.pinned = slow_pin
-    engine.host = HostPool(device, None, chunk_min=MiB, chunk_max=4 * MiB)
+    _with_pool(lms, HostPool(device, None, chunk_min=MiB, chunk_max=4 * MiB))
     lagged, waited = 0, 0.0
     for _ in range(10):
         assert_same(ref, train_step(model, x, lms=lms))

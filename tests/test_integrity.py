@@ -202,15 +202,15 @@ class _Interrupt:
         return self.real(*args, **kwargs)
 
 
-BACKWARD_POINTS = [("engine", "_copy_in", 1), ("engine", "_copy_in", 2), ("device", "empty", 2)]
-FORWARD_POINTS = [("engine", "_copy_out", 2), ("module", "producer_of", 3),
+BACKWARD_POINTS = [("copies", "copy_in", 1), ("copies", "copy_in", 2), ("device", "empty", 2)]
+FORWARD_POINTS = [("copies", "copy_out", 2), ("module", "producer_of", 3),
                   ("device", "stream_key", 4), ("host", "alloc", 3), ("host", "free", 1),
                   ("host", "free", 4)]
 
 
 def _target(lms, where):
     engine = lms._engine
-    return {"engine": engine, "device": engine.device, "host": engine.host,
+    return {"copies": engine.copies, "device": engine.device, "host": engine.host,
             "module": engine_module}[where]
 
 

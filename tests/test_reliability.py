@@ -66,7 +66,7 @@ def _boundary_is_clean(lms):
 
 
 def _failing(copy, when=lambda: True):
-    """``copy`` (the engine's _copy_out or _copy_in, Python or C++) raising as a failed DMA or a
+    """``copy`` (the copy path's copy_out or copy_in, Python or C++) raising as a failed DMA or a
     driver error would, whenever ``when()`` says so."""
     def flaky(*args):
         if when():
@@ -198,8 +198,8 @@ def test_tiny_host_budget_swaps_what_fits_and_keeps_the_rest(kind):
 def _check_d2h_failure(kind):
     model, x, ref = _setup(kind)
     lms = make_lms(kind)
-    engine, calls = lms._engine, itertools.count()
-    engine._copy_out = _failing(engine._copy_out, lambda: next(calls) % 3 == 1)  # every third
+    copies, calls = lms._engine.copies, itertools.count()
+    copies.copy_out = _failing(copies.copy_out, lambda: next(calls) % 3 == 1)  # every third
     with lmsrt_warnings() as said:
         for _ in range(4):
             assert_same(ref, train_step(model, x, lms=lms))
@@ -217,9 +217,9 @@ def test_failed_copy_out_keeps_the_tensor_on_gpu(kind):
 def _check_h2d_failure(kind, monkeypatch):
     model, x, ref = _setup(kind)
     lms = make_lms(kind)
-    engine = lms._engine
-    copy_in = engine._copy_in
-    monkeypatch.setattr(engine, "_copy_in", _failing(copy_in))
+    copies = lms._engine.copies
+    copy_in = copies.copy_in
+    monkeypatch.setattr(copies, "copy_in", _failing(copy_in))
     model.zero_grad(set_to_none=True)
     with lms:
         loss = model(x).square().mean()
@@ -227,7 +227,7 @@ def _check_h2d_failure(kind, monkeypatch):
         loss.backward()
     assert "injected" in str(info.value.__cause__)
     del loss, info
-    monkeypatch.setattr(engine, "_copy_in", copy_in)
+    monkeypatch.setattr(copies, "copy_in", copy_in)
     for _ in range(2):                              # the engine goes on as if nothing happened
         assert_same(ref, train_step(model, x, lms=lms))
     _boundary_is_clean(lms)

@@ -1,21 +1,25 @@
 """The swap engine: pack/unpack of saved tensors, D2H and H2D streams, prefetch, release.
 
-The engine is a package of rooms, one idea each, that ``SwapEngine`` (core.py) puts together:
+The engine is a package of rooms, one idea each, that ``SwapEngine`` (core.py) puts together.
+The rooms that own state are objects the engine holds and calls (gauge.py, release.py,
+prefetch.py, deferred.py; the host pool is lmsrt/host.py's); the others are its own methods:
 
-  core.py        SwapEngine: the rooms together, its state, and what goes wrong (annotate_oom)
+  core.py        SwapEngine: the rooms together, its state, what dead storages held given back,
+                 close, what is outstanding, and what goes wrong (annotate_oom)
   entry.py       enter()/exit() for LMS: hooks pushed and popped, the rebuild recorder
   records.py     what the engine keeps per saved storage, and the handles autograd holds
-  copies.py      the copy calls (C++ or torch's bindings)
-  gauge.py       GPU use: read exactly, estimated between readings
+  copies.py      the copy path (``copies``): C++ or torch's bindings
+  gauge.py       GpuGauge (``gauge``): GPU use, read exactly, estimated between readings
   boundaries.py  step boundaries: StepState made afresh at each step, its figures read at its end
   forward.py     pack: keep or offload each saved storage, as the policy's levels say
-  swap_out.py    copies to host memory, and sources held while they run
-  deferred.py    copies started later, once their pins land
+  swap_out.py    copies to host memory, and the stream orders that free a block after its copy
+  release.py     HeldSources (``held``): sources held while their copies run, and let go
+  deferred.py    DeferredCopies (``deferred``): copies started later, once their pins land
   recipes.py     storages rebuilt in backward instead of copied
   native.py      the hand-over to and from the C++ hooks
   backward.py    unpack: bring a storage back for backward
-  prefetch.py    fetch ahead of backward, and give back what runs over
-  release.py     give back what dead storages held; close; what is outstanding
+  prefetch.py    PrefetchWindow (``prefetch``): the swapped storages in save order, fetched
+                 ahead of backward, and what runs over given back
 
 The numbers (how much may be held where, what may wait or be deferred, how far to fetch ahead)
 are the policy's (lmsrt/policy/): the engine asks, and never asks which kind of policy it has.

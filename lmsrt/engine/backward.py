@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 
-from ..host import HostSlot
 from ..units import format_bytes
 from .records import KeptHandle, Offloaded, SwapHandle, bytes_of, modified_error
 
@@ -45,9 +44,9 @@ class UnpackSide:
             if t._version != ref.version:
                 raise modified_error(t.type(), t.size(), ref.producer, t._version, ref.version,
                                       "kept on the GPU")
-            if self._cursor >= 0:               # every unpack moves prefetch along
+            if self.prefetch.walking:           # every unpack moves prefetch along
                 with self._lock:
-                    self._advance()
+                    self.prefetch.advance(self.plan, self.state.bwd_point)
             return t
         if kind is not SwapHandle:
             return ref                          # saved while lmsrt stepped aside
@@ -76,18 +75,17 @@ class UnpackSide:
             if s.unpacked >= len(s.watches) and s.kept == "held":
                 # A source forward kept (NOTE [ Deferred copies ]) is the model's own from
                 # here, as a restored copy handed out is: autograd holds it while it reads.
-                s.kept = "used"
-                self._held_bytes -= s.nbytes
+                self.held.used(s)
             if s.unpacked >= len(s.watches) and s.gpu is not None:
                 # Every live view has been handed out: autograd's references keep the block
                 # alive for as long as it is read; ours would keep it for the rest of backward.
-                self._drop_restored(s)
+                self.prefetch.drop(s)
                 s.consumed = True
             # Viewed under the lock: another thread may release the source alias meanwhile.
             view = self._original_view(ref) if own else None
             if view is None:
-                view = self._copies.view(data, ref)
-            self._advance()
+                view = self.copies.view(data, ref)
+            self.prefetch.advance(self.plan, self.state.bwd_point)
         return view
 
     @staticmethod
@@ -133,12 +131,12 @@ class UnpackSide:
                     self.step.count_kept(s.nbytes, live=True)
                 return bytes_of(live)
             if s.consumed and not for_recipe:
-                self._new_pass(s)
+                self.prefetch.new_pass(s)
             if s.host is None and s.recipe is not None:
                 self._rebuild(s)
             else:
                 self.step.prefetch_misses += 1
-                self._fetch(s)
+                self.prefetch.fetch(s)
         else:
             self.step.prefetch_hits += 1
         if not s.fetch_waited:
@@ -165,53 +163,3 @@ class UnpackSide:
             end.record(stream)
             self._timed_waits.append(("swapin_wait_ms", start, end))
         s.fetch_waited = True
-
-    def _fetch(self, s: Offloaded) -> None:
-        if s.host is None:
-            raise RuntimeError(
-                "lmsrt: backward needs a saved tensor that this LMS swapped out, but the LMS was "
-                "closed (LMS.close(), or interpreter exit) and its host memory given back. Run "
-                "backward before closing the LMS.")
-        gpu = self._alloc_on(s)                           # Rule 3: allocated on its stream
-        try:
-            done = self._copy_in(gpu, s.host, s.stream)
-        except BaseException as e:                        # Rule 7: never hand out those bytes
-            s.stream.wait_stream(self.h2d)    # a copy queued before the error may still write
-            if not isinstance(e, Exception):
-                raise
-            raise RuntimeError(
-                f"lmsrt: copying a swapped-out saved tensor ({format_bytes(s.nbytes)}) back to "
-                f"the GPU for backward failed ({type(e).__name__}: {e}), so backward stops "
-                "rather than use bytes that may be wrong. If it recurs, run without LMS "
-                "(lms=0) to see whether the GPU itself is at fault.") from e
-        # Marked restored only now, with its copy queued (NOTE [ Interrupts and versions ], b).
-        s.fetch_done, s.fetch_waited, s.unpacked = done, False, 0
-        s.generation += 1
-        s.gpu = gpu
-        self._ahead += s.nbytes
-        self.gauge.delta += s.nbytes
-        self.step.in_bytes += s.nbytes
-        self.step.in_tensors += 1
-
-    def _alloc_on(self, s: Offloaded) -> torch.Tensor:
-        if s.stream_key == self.device.stream_key():
-            return self.device.empty(s.nbytes)
-        with self.device.stream(s.stream):
-            return self.device.empty(s.nbytes)
-
-    def _copy_in(self, block: torch.Tensor, slot: HostSlot, stream):
-        """Start the H2D copy of ``slot`` into ``block`` after ``stream``'s work so far; return
-        the copy's event."""
-        return self._copies.copy_in(block, slot, stream)
-
-    def _drop_restored(self, s: Offloaded) -> None:
-        s.gpu = None
-        self._ahead -= s.nbytes
-
-    def _new_pass(self, s: Offloaded) -> None:
-        """A storage already used in this pass is needed again: backward runs once more over a
-        retained graph. Prefetch starts over from below it."""
-        for other in self._order:
-            other.consumed = False
-        self._cursor = s.index - 1
-

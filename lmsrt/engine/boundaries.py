@@ -110,13 +110,10 @@ class StepBoundaries:
                 else:
                     del self._param_rebuilds[key]
             self._sweep_orphans()
-            self._release_finished()
-            self._order = [s for s in self._order if not s.dead]
-            # Recounted at each step, so an interrupt between a restored copy's marking and its
-            # count leaves no lasting drift (NOTE [ Interrupts and versions ], b).
-            self._ahead = sum(s.nbytes for s in self._order if s.gpu is not None)
+            self.held.release_finished()
+            self.prefetch.forget_dead()
             stream = self.device.current_stream()
-            if stream != self.compute and (self._forward_open or self._order):
+            if stream != self.compute and (self._forward_open or self.prefetch.order):
                 raise RuntimeError(
                     f"lmsrt: a forward started on stream {stream} while tensors saved on stream "
                     f"{self.compute} are still in use (another thread's forward, or a graph not "
@@ -140,9 +137,7 @@ class StepBoundaries:
             self.state = StepState(self.device.alloc_retries(), self.device.alloc_failures())
             self.compute = stream
             self._compute_key = self.device.stream_key()
-            for i, s in enumerate(self._order):
-                s.index = i
-            self._cursor = len(self._order) - 1    # indices changed: prefetch walks from the top
+            self.prefetch.reindex()
             if self.rebuilds is not None:
                 # The first forward checks recipes as their outputs are saved (NOTE [ Rebuilt
                 # storages ]): their inputs are held until then, or until forward ends.
@@ -198,18 +193,18 @@ class StepBoundaries:
             if self.rebuilds is not None and self.rebuilds.retaining:
                 self.rebuilds.retaining = False
                 self.rebuilds.let_go()
-            if self._deferred:
-                self._end_deferred()
-            self._release_finished()
-            self.state.forward_end_use = self.device.memory_allocated() - self._held_bytes
+            if self.deferred:
+                self.deferred.end(self.state)
+            self.held.release_finished()
+            self.state.forward_end_use = self.device.memory_allocated() - self.held.bytes
             self.step.forward_end_bytes = self.state.forward_end_use
             self.state.by_ptr.clear()
-            self._cursor = len(self._order) - 1
+            self.prefetch.from_top()
             self.state.bwd_point = 0
             keeper = self._keeper and self._keeper()
             if keeper is not None:
                 # Nothing to prefetch or record: kept handles need no Python in backward.
-                keeper.backward(self._cursor < 0 and self.state.rec is None)
+                keeper.backward(not self.prefetch.walking and self.state.rec is None)
 
     def _finish_step(self) -> None:
         s = self.step

@@ -117,23 +117,23 @@ class PackSide:
             st.largest = (nbytes, index)
         self.gauge.delta += nbytes
         plan = self.plan
-        if st.keeps_all and not self._held and not self._deferred:
+        if st.keeps_all and not self.held and not self.deferred:
             # NOTE [ Steps that keep everything ]
             ref = weakref.ref(storage)
             plan.offload(index, nbytes, t)              # records it; offloads nothing
             if plan.matched:
                 level = self.policy.swap_at(plan, index)
-                if self.gauge.use(nbytes, level) - self._held_bytes <= level:
+                if self.gauge.use(nbytes, level) - self.held.bytes <= level:
                     self.step.count_kept(nbytes, live=index in plan.live)
                     entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version)
                     return entry
             return self._keep_or_offload(t, storage, version, nbytes, index, ref, False)
         rec = st.rec
         ref = weakref.ref(storage) if rec is None else rec.watch(storage, index)
-        if self._held:
-            self._release_finished()
-        if self._deferred:
-            self._settle_deferred()
+        if self.held:
+            self.held.release_finished()
+        if self.deferred:
+            self.deferred.settle()
         return self._keep_or_offload(t, storage, version, nbytes, index, ref,
                                      plan.offload(index, nbytes, t))
 
@@ -160,8 +160,8 @@ class PackSide:
         hold = policy.hold_to(plan, index)
         used = None if planned else self.gauge.use(nbytes, level or hold)
         entry = None
-        if planned or used - self._held_bytes > level:
-            over = None if planned else used - self._held_bytes
+        if planned or used - self.held.bytes > level:
+            over = None if planned else used - self.held.bytes
             entry = self._offload(t, storage, nbytes, index, ref, version, recipe)
             if entry is not None and over is not None:
                 st.beyond_plan += nbytes
@@ -175,8 +175,8 @@ class PackSide:
         st.by_ptr[storage.data_ptr()] = entry
         if self.rebuilds is not None and self.rebuilds.retaining:
             self.rebuilds.let_go(storage)        # its check, if any, is done
-        if self._held:
-            self._bound_held(self.gauge.use(nbytes, hold) if used is None else used, hold)
+        if self.held:
+            self.held.bound(self.gauge.use(nbytes, hold) if used is None else used, hold)
         return entry
 
     def _record(self, backward: bool, nbytes: int = 0) -> None:
@@ -196,9 +196,9 @@ class PackSide:
         deferred sources (NOTE [ Deferred copies ]): held for long, and the model may still be
         using them itself (a residual stream), so they count as the model's own, on the safe
         side."""
-        own = self._held_bytes + self._ahead
-        if self._deferred:
-            own -= sum(s.nbytes for s in self._deferred if s.source is not None)
+        own = self.held.bytes + self.prefetch.ahead
+        if self.deferred:
+            own -= self.deferred.held_bytes()
         return own
 
     def _recorded(self) -> None:

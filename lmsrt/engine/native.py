@@ -58,7 +58,7 @@ class NativeHandOver:
 
     def _arm(self) -> None:
         keeper = self._keeper()
-        if keeper is None or self._held or self._deferred:
+        if keeper is None or self.held or self.deferred:
             return
         plan, policy = self.plan, self.policy
         sizes = plan.sequence

@@ -87,8 +87,7 @@ class RecipeOffload:
         s = Offloaded(nbytes, seq, ref, version, stream, key)
         s.recipe = recipe
         s.counter = counter_only(t.detach())   # NOTE [ Interrupts and versions ], c
-        s.index = len(self._order)
-        self._order.append(s)       # from here the step boundary releases it if orphaned
+        self.prefetch.add(s)        # from here the step boundary releases it if orphaned
         self._need_inputs(s)
         s.sample = sample_words(t.untyped_storage())
         read = [inp.parameter() for inp in recipe.walk() if inp.parameter is not None]
@@ -166,7 +165,7 @@ class RecipeOffload:
         s.fetch_done, s.fetch_waited, s.unpacked = None, True, 0
         s.gpu = bytes_of(storage)
         s.generation += 1
-        self._ahead += s.nbytes
+        self.prefetch.arrived(s)
         self.gauge.delta += s.nbytes
         self.step.rebuilt_bytes += s.nbytes
         self.step.rebuilt_tensors += 1

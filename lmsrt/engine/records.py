@@ -68,7 +68,7 @@ class Offloaded:
         self.needed_by: set = set()     # ids of the storages whose recipes will read this one
         self.sample = None              # a few of its words, for a rebuild to match (params.py)
         # Deferred, never copied, kept for backward (NOTE [ Deferred copies ]): "held" while
-        # lmsrt's (in ``_held_bytes``), "used" once backward has every view; else None.
+        # lmsrt's (in ``HeldSources.bytes``), "used" once backward has every view; else None.
         self.kept: Optional[str] = None
 
 

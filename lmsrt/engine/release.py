@@ -1,104 +1,101 @@
-"""Release: give back what dead storages held, and close."""
+"""Held sources: the GPU sources of swapped storages, held by lmsrt while their copies to host
+memory run, and let go once each copy is done or waited on (NOTE [ Stream lifetimes ], Rule 2).
+
+Bounding what forward holds (docs/design.md, "Freeing memory in forward"): copies run at ~55 GB/s
+and forward makes activations several times faster, so sources still being copied pile up. When held
+sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its source
+is dropped at once (Rule 2).
+
+Example::
+
+    held = HeldSources(lambda: engine.policy, limit, wait_out, step=lambda: engine.step,
+                       profile=lambda: engine.state.rec)
+    held.hold(s)
+    held.copying(s)                 # its copy runs: the source goes once it is done
+    held.release_finished()
+    held.bound(used, level)         # wait on the oldest copies while use stands over ``level``
+"""
 from __future__ import annotations
 
-from .. import params
-from .records import Offloaded
+import collections
+from typing import Callable
 
-__all__ = ["Release"]      # a room of SwapEngine (core.py)
+from .records import Offloaded, counter_only
+
+__all__ = ["HeldSources"]      # held by SwapEngine (core.py) as ``held``
 
 
-class Release:
-    """Release of a ``SwapEngine``."""
+class HeldSources:
+    """Sources held on the GPU while their copies run (``queue``, oldest first), and the bytes
+    lmsrt holds as sources (``bytes``: also deferred ones, NOTE [ Deferred copies ]).
 
-    def _sweep_orphans(self) -> None:
-        """Release storages that no handle holds: a pack interrupted before it handed its handle
-        to autograd (NOTE [ Interrupts and versions ], b)."""
-        for s in self._order:
-            if not s.watches and not s.needed_by and not s.dead:
-                self._release(s)
+    It touches the records it is given (their ``source``, ``counter`` and ``kept``) and, through
+    what it is given, nothing else: the engine's policy's ``overlap`` (``policy()``), the GPU's
+    ``limit``, ``wait_out``
+    (makes the storage's streams wait on its copy, timed: the engine's, swap_out.py), the step's
+    figures (``step()``: ``swapout_waits``) and the profile of a recorded step (``profile()``:
+    None when the step is not recorded)."""
 
-    # -- release -----------------------------------------------------------------------------
+    __slots__ = ("queue", "bytes", "policy", "limit", "wait_out", "step", "profile")
 
-    def outstanding(self, reap: bool = True) -> dict:
-        """What the engine still tracks (``reap``: after giving back what dead storages held):
-        ``storages`` swapped or rebuilt since the last step boundary, of which ``released``;
-        sources ``held`` on the GPU while their copies run (``held_bytes``) and ``deferred``;
-        restored bytes not yet used (``restored_bytes``); handles dropped by autograd and not
-        yet reaped (``dead_handles``).
+    def __init__(self, policy: Callable, limit: int, wait_out: Callable[[Offloaded], None],
+                 step: Callable, profile: Callable):
+        self.queue: collections.deque = collections.deque()   # swapped, source still on the GPU
+        self.bytes = 0
+        self.policy, self.limit, self.wait_out = policy, limit, wait_out
+        self.step, self.profile = step, profile
 
-        Example::
+    def __len__(self) -> int:
+        return len(self.queue)
 
-            assert engine.outstanding()["held_bytes"] == 0     # after backward, every copy done
-        """
-        with self._lock:
-            if reap:
-                self._reap()
-            order = self._order
-            return {"storages": len(order), "released": sum(s.dead for s in order),
-                    "held": len(self._held), "held_bytes": self._held_bytes,
-                    "deferred": len(self._deferred), "restored_bytes": self._ahead,
-                    "dead_handles": len(self._dead)}
+    def hold(self, s: Offloaded) -> None:
+        """``s``'s source is lmsrt's from here: counted in ``bytes`` until it is dropped (or,
+        kept for backward, until backward has every view of it: ``used``)."""
+        self.bytes += s.nbytes
 
-    def _reap(self) -> None:
-        """Give back what dead storages held (autograd freed every graph that used them). A
-        watch leaves the queue only once handled, so an interrupt in here loses nothing."""
-        dead = self._dead
-        while dead:
-            watch = dead[0]
-            s = getattr(watch, "storage", None)
-            if s is None:                 # its handle was lost before it was counted
-                dead.popleft()
+    def copying(self, s: Offloaded) -> None:
+        """``s``'s copy runs: its source goes once the copy is seen done or waited on."""
+        self.queue.append(s)
+
+    def used(self, s: Offloaded) -> None:
+        """A source forward kept (NOTE [ Deferred copies ]) is the model's own from here: backward
+        has every view of it."""
+        s.kept = "used"
+        self.bytes -= s.nbytes
+
+    def release_finished(self) -> None:
+        queue = self.queue
+        while queue and (queue[0].source is None or queue[0].copy_done.query()):
+            self.drop(queue.popleft())                     # Rule 2: copy seen complete
+
+    def bound(self, used: int, level: int) -> None:
+        """Let go of held sources, oldest first, while use stands over ``level``; at a level of
+        0, while more than the policy's overlap is held or use would pass the limit."""
+        queue, overlap = self.queue, self.policy().overlap
+        while queue and (used > level if level else (self.bytes > overlap
+                                                     or used + overlap > self.limit)):
+            s = queue.popleft()
+            if s.source is None:
                 continue
-            if watch.generation == s.generation and id(watch) in s.watches:
-                s.unpacked -= 1
-            s.watches.discard(id(watch))
-            if not s.watches and not s.needed_by:
-                self._release(s)
-            dead.popleft()
+            self.wait_out(s)                               # Rule 2: wait, then drop at once
+            self.drop(s)
+            used -= s.nbytes
+            self.step().swapout_waits += 1
 
-    def _release(self, s: Offloaded) -> None:
-        """Give back what ``s`` holds; safe to repeat after an interrupt."""
-        s.dead = True
-        if s.gpu is not None:
-            if not s.fetch_waited and s.fetch_done is not None:
-                self._order_after(s, s.fetch_done)         # Rule 4
-            self._drop_restored(s)
-        if s.source is not None:
-            if s.copy_done is not None:                    # (none: a deferred copy never went)
-                self._order_after(s, s.copy_done)          # Rule 2
-            self._drop_source(s)
-        slot = s.host
-        if slot is not None:
-            self.host.free(slot)                           # Rule 5
-            s.host = None
-        if s.inputs:
-            self._release_inputs(s)
+    def drop(self, s: Offloaded) -> None:
+        """Drop ``s``'s source (its copy is done, or ordered before any reuse of its block)."""
+        source = s.source
+        if source is not None:
+            s.source = None
+            if s.kept != "used":
+                self.bytes -= s.nbytes
+            s.counter = counter_only(source)   # NOTE [ Interrupts and versions ], c
+            del source
+            rec = self.profile()
+            if rec is not None and s.kept is None and s.storage_ref() is not None:
+                rec.own_from(s.seq)       # held on by the model: its own use from here
 
-    def close(self) -> None:
-        """Wait for copies in flight and give back pinned memory. The engine is unusable after:
-        a graph still alive fails in backward with a clear error (``_fetch``), and its handles
-        die harmlessly."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            try:
-                self.optimizer_mover.close()        # its state back where the optimizer runs
-                self.device.synchronize()                   # Rule 8
-            finally:
-                self._reap()
-                for s in self._order:
-                    s.source = s.gpu = s.host = None
-                    s.inputs = ()
-                self._held.clear()
-                self._deferred.clear()
-                self._held_bytes = self._ahead = 0
-                self._order.clear()
-                self._cursor = -1                   # nothing left to prefetch
-                self._param_rebuilds = {}
-                params.unwatch(self)                # the last engine takes torch's patches
-                self.state.by_ptr.clear()
-                if self.memo is not None:             # the step in flight counts too
-                    self.memo.saw(self.host.used_slabs())
-                    self.memo.close()
-                self.host.close()
+    def clear(self) -> None:
+        """Forget every source (``close``, once the device is synchronized: Rule 8)."""
+        self.queue.clear()
+        self.bytes = 0

@@ -1,17 +1,12 @@
-"""Swap-out: a storage's copy to host memory, and its GPU source held until the copy is done.
-
-Bounding what forward holds (docs/design.md, "Freeing memory in forward"): copies run at ~55 GB/s
-and forward makes activations several times faster, so sources still being copied pile up. When held
-sources would keep GPU use over the mark, the compute stream waits on the oldest copy and its source
-is dropped at once (Rule 2)."""
+"""Swap-out: a storage's copy to host memory (its GPU source held until the copy is done:
+release.py), and the stream orders that let go of a block once a copy is done (Rules 2 and 4)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ..host import HostSlot
-from .records import Offloaded, counter_only
+from .records import Offloaded
 
 __all__ = ["SwapOut"]      # a room of SwapEngine (core.py)
 
@@ -40,60 +35,35 @@ class SwapOut:
             slot = (self.host.alloc(nbytes, wait=False) if policy.pins_for_deferred
                     else self.host.landed(nbytes))
             if slot is None:
-                return None if self.host.refused != refused else self._defer(
+                return None if self.host.refused != refused else self.deferred.defer(
                     t, nbytes, seq, ref, version, stream, key)
         else:
-            if wait and self._deferred:
-                self._copy_deferred(wait=True)             # copies go out in save order
+            if wait and self.deferred:
+                self.deferred.start(wait=True)             # copies go out in save order
             slot = self.host.alloc(nbytes, wait=wait)
             if slot is None:
                 return None
-        order = self._order
+        order, held = self.prefetch.order, self.held
         try:
             s = Offloaded(nbytes, seq, ref, version, stream, key)
-            s.copy_done = self._copy_out(storage, slot, stream)      # Rule 1
+            s.copy_done = self.copies.copy_out(storage, slot, stream)      # Rule 1
             s.source, s.host = t.detach(), slot    # Rule 2; also shares t's version counter
-            s.index = len(order)
-            order.append(s)          # from here the step boundary releases it if orphaned
+            self.prefetch.add(s)     # from here the step boundary releases it if orphaned
         except BaseException as e:                         # Rule 7: keep it on the GPU
             if order and order[-1].host is slot:           # interrupted once committed
-                self._held_bytes += nbytes
-                self._held.append(order[-1])
+                held.hold(order[-1])
+                held.copying(order[-1])
                 raise
             self.host.free(slot)
             if not isinstance(e, Exception):
                 raise
             self.diagnostics.copy_out_failed(nbytes, e)
             return None
-        self._held_bytes += nbytes
-        self._held.append(s)
+        held.hold(s)
+        held.copying(s)
         self.step.out_bytes += nbytes
         self.step.out_tensors += 1
         return s
-
-    def _copy_out(self, storage, slot: HostSlot, stream):
-        """Start the D2H copy of ``storage`` into ``slot`` after ``stream``'s work so far;
-        return the copy's event."""
-        return self._copies.copy_out(storage, slot, stream)
-
-    def _release_finished(self) -> None:
-        held = self._held
-        while held and (held[0].source is None or held[0].copy_done.query()):
-            self._drop_source(held.popleft())              # Rule 2: copy seen complete
-
-    def _bound_held(self, used: int, level: int) -> None:
-        """Let go of held sources, oldest first, while use stands over ``level``; at a level of
-        0, while more than the policy's overlap is held or use would pass the limit."""
-        held, overlap = self._held, self.policy.overlap
-        while held and (used > level if level else (self._held_bytes > overlap
-                                                    or used + overlap > self.limit)):
-            s = held.popleft()
-            if s.source is None:
-                continue
-            self._wait_out(s)                              # Rule 2: wait, then drop at once
-            self._drop_source(s)
-            used -= s.nbytes
-            self.step.swapout_waits += 1
 
     def _wait_out(self, s: Offloaded) -> None:
         """Order the reuse of ``s``'s block after its copy; where the copy is still running, the
@@ -114,15 +84,3 @@ class SwapOut:
         event.wait(s.stream)
         if s.stream_key != self._compute_key:
             event.wait(self.compute)
-
-    def _drop_source(self, s: Offloaded) -> None:
-        source = s.source
-        if source is not None:
-            s.source = None
-            if s.kept != "used":
-                self._held_bytes -= s.nbytes
-            s.counter = counter_only(source)   # NOTE [ Interrupts and versions ], c
-            del source
-            if self.state.rec is not None and s.kept is None and s.storage_ref() is not None:
-                self.state.rec.own_from(s.seq)       # held on by the model: its own use from here
-

@@ -7,7 +7,7 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
 
   1. Learn. The first step swaps every eligible storage and holds the least (the overlap rule,
      one storage fetched ahead while use stays under a quarter of the limit:
-     SwapEngine._advance), and at every point reads GPU use and the peak since the last point.
+     PrefetchWindow.advance), and at every point reads GPU use and the peak since the last point.
      Less what lmsrt held then (sources in flight, restored copies not yet used), that is the
      model's own use at the point and its peak in the interval before it, relative to use when
      the step began: a ``Profile``. It also notes at which backward point each storage was used
@@ -199,7 +199,8 @@ class AutoPolicy(LimitShares):
 
     def shed_to(self, plan: OffloadPlan, level: int) -> int:
         """In a planned step, use over the fetch level by more than half the headroom gives
-        back copies fetched ahead down to that (engine/prefetch.py, ``_shed``); 0: none."""
+        back copies fetched ahead down to that (engine/prefetch.py, ``PrefetchWindow.shed``); 0:
+        none."""
         return level + (self.headroom >> 1) if level and plan.mode == "plan" else 0
 
     def fetch_to(self, plan: OffloadPlan, j: int) -> int:
