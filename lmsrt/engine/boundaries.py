@@ -10,12 +10,15 @@ NOTE [ Lean steps that leave the plan ]
   all it can, and the next step, having moved bytes, is not lean and follows the plan again: a
   slow step every other step (measured on the transformers Trainer at a 20 GiB cap on an H200:
   9.5 GiB moved and 0.53 s every second step against 0.25). So a lean step that leaves the plan
-  after a step that followed it ends lean steps for 8 steps, twice as many at each recurrence
-  (16, 32, ...): the steps between note recipes in Python, as the steps that followed the plan
-  did. Not for good: a batch that differs once (an epoch's last) leaves the plan the same way,
-  and a model that fits would pay the Python hooks for the rest of its run."""
+  after a step that followed it, past its first storage (the batch was the plan's: the
+  Trainer's, at its third storage, 64 MiB where 2 MiB was planned), ends lean steps for good:
+  the steps after note recipes in Python, as the steps that followed the plan did. One that
+  leaves it at its first storage (another batch: an epoch's last, which differs once) ends
+  them for 8 steps, twice as many at each recurrence (16, 32, ...): a model that fits would
+  otherwise pay the Python hooks for the rest of its run for one short batch."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -221,14 +224,17 @@ class StepBoundaries:
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
-        where = self.plan.divergence()
+        where, diverged = self.plan.divergence(), self.plan.diverged
         followed = self.plan.finish_step(rebuildable)
         history = self.run_stats.history
         left = (self.state.lean and not followed and bool(history)
                 and history[-1].mode == "plan")     # (the step before followed its plan)
         if left:                        # NOTE [ Lean steps that leave the plan ]
-            ban, self._lean_ban = self._lean_ban, self._lean_ban * 2
-            self._lean_from = s.step + 1 + ban
+            if diverged is not None and diverged[0] > 0:    # the batch was the plan's
+                ban, self._lean_from = None, math.inf
+            else:
+                ban, self._lean_ban = self._lean_ban, self._lean_ban * 2
+                self._lean_from = s.step + 1 + ban
         self._swapped_last = s.out_bytes + s.recipe_bytes + self.state.deferred_kept
         s.beyond_plan_bytes = self.state.beyond_plan if s.mode == "plan" else 0
         # Judged by its training pass, not the optimizer's update after it (NOTE [ Optimizer
@@ -244,7 +250,8 @@ class StepBoundaries:
         s.policy_note = self.policy.note()
         if left:
             s.policy_note = (f"a step that kept everything saved another sequence than the one "
-                             f"before it ({where or 'fewer storages'}): none for {ban} steps"
+                             f"before it ({where or 'fewer storages'}): "
+                             + (f"none for {ban} steps" if ban else "none from now on")
                              + (f"; {s.policy_note}" if s.policy_note else ""))
         self.state.rec = None
         self.run_stats.add(s)

@@ -44,9 +44,11 @@ class Placement:
     def depth(self, allocated: int, largest: int) -> int:
         """How many parts before the one running a part's copies in wait for (Rule 9): 2
         (three parts held) where the room beside ``allocated`` holds four of the ``largest``
-        (three and the update's temporaries), else 1 (two held: a part's state is one
-        parameter's, larger than a fifth of the room)."""
-        return 2 if self.room(allocated) >= 4 * largest else 1
+        (three and the update's temporaries); else 1 (two held: a part's state is one
+        parameter's, larger than a fifth of the room) where it holds two; else 0 (none
+        comes ahead: one held)."""
+        room = self.room(allocated)
+        return 2 if room >= 4 * largest else 1 if room >= 2 * largest else 0
 
     def stays(self, sizes: Dict[int, int], peak: int, began: Optional[int] = None) -> Set[int]:
         """Of the state just moved (``sizes``: bytes by id of parameter), the parameters whose

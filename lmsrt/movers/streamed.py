@@ -92,7 +92,8 @@ class Parts:
         self.foreach: list = []             # each group's own foreach setting
         self.largest = 0                    # bytes of state of the largest part
         self.depth = 2                      # a part's copies in wait for the write-back this
-                                            # many parts before (three held; 1: two)
+                                            # many parts before (three held; 1: two; 0: none
+                                            # ahead, one held)
 
     @classmethod
     def plan(cls, optimizer, per: Dict[int, int], part_bytes: int) -> Optional["Parts"]:
@@ -148,7 +149,7 @@ class Parts:
         about three parts are held at depth 2: one going out, one running, one coming in; two at
         depth 1), else ``before``, the last write-back before the step."""
         depth = self.depth
-        return self.written[-depth] if len(self.written) >= depth else before
+        return self.written[-depth] if depth and len(self.written) >= depth else before
 
     def following(self) -> list:
         """The parameters of the part after the one running (none after the last)."""
