@@ -696,3 +696,28 @@ def test_reruns_under_a_device_that_tunes_its_algorithms_are_checked_bit_for_bit
     else:
         assert len(refused) == 4 and all("benchmark mode" in why for why in refused.values()), \
             refused
+
+
+def test_a_step_checks_the_kinds_its_budget_holds_and_the_rest_later():
+    """Every stage of a conv net is a kind of call of its own: checked all in one step, they
+    held everything the net saved (out of memory at 85% of a conv net's peak on an H200). A
+    step checks one kind at least, more while they hold under a sixteenth of the limit (here
+    less than one stage saves): one kind a step, each checked in turn, and exact."""
+    from lmsrt.device import SimulatedDevice
+    from test_regions import _segnet
+    torch.manual_seed(0)
+    plain_model, model = _segnet(), _segnet()
+    model.load_state_dict(plain_model.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    lms = lmsrt.LMS(lms=1, lms_frac=0.0, device=SimulatedDevice(capacity=64 << 10))
+    lms._regions.bandwidth, lms._regions.worth = 1.0, 0
+    lms._device.tuning = True
+    check = lms._regions._rerun_check
+    checked = []
+    plain = _train(plain_model, x, 10)
+    under = _train(model, x, 10, lms, between=lambda m: checked.append(len(check.verdicts)))
+    assert_same_steps(plain, under)
+    kinds = _regions(lms)["planned"]            # (the regions recomputed: each a kind)
+    checked.append(len(check.verdicts))         # (the last step's, after its backward)
+    assert kinds > 2 and checked[-1] == kinds and all(check.verdicts.values()), checked
+    assert all(b - a <= 1 for a, b in zip(checked, checked[1:])), checked

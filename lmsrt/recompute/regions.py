@@ -165,7 +165,7 @@ class Regions:
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._reruns: list = []         # (region, [start, end]) of the timing step's reruns
         self._kept_calls = 0            # this step's region calls that kept their tensors
-        self._rerun_check = RerunCheck(engine.device)
+        self._rerun_check = RerunCheck(engine.device, engine.limit >> 4)
         self._span: list = []           # forward's first region start and last region end
         _flush_dead()                   # hooks of Regions collected before this one
         me = weakref.ref(self)

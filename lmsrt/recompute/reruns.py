@@ -16,9 +16,11 @@
   The same bits: calls of that kind drop from then on (autograd's thread keeps its choice for
   the run). Other bits: the originals go to backward (the step stays exact) and every region
   called with that kind is refused, said once. A check holds one call's saved tensors per kind
-  beside the plan's, in one step (the first that drops: a learning step); one whose call was not
-  rerun in backward (no backward through it, or a rerun forced before an optimizer step, on
-  forward's thread) is made again in a later step.
+  beside the plan's: a step checks one kind at least, more while what they hold stays under a
+  sixteenth of the limit, and the calls of the kinds left keep, checked in later steps (every
+  stage of a conv net is a kind of its own: checked all in one step, they held all the net
+  saved). One whose call was not rerun in backward (no backward through it, or a rerun forced
+  before an optimizer step, on forward's thread) is made again in a later step.
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ _DIFFERS = ("its rerun in backward computed other bits than its forward: cuDNN's
 class RerunCheck:
     """The checks of one LMS's regions (NOTE [ Reruns under cuDNN's benchmark mode ])."""
 
-    def __init__(self, device):
+    def __init__(self, device, budget: int):
         self.device = device
+        self.budget = budget                      # bytes a step's checks may hold, beyond one
         self.verdicts: Dict[tuple, bool] = {}     # kind of call -> its rerun gave the same bits
         self._pending: set = set()                # kinds whose check is in flight this step
+        self._held = 0                            # bytes their checking calls hold
         self._step = 0
 
     def keeps(self, frame, refuse: Callable, step: int) -> bool:
@@ -51,16 +55,25 @@ class RerunCheck:
         if not self.device.tunes_algorithms():
             return False
         if step != self._step:          # kinds whose checking call was not rerun: again
-            self._step, self._pending = step, set()
+            self._step, self._pending, self._held = step, set(), 0
         kind = _kind(frame)
         verdict = self.verdicts.get(kind)
-        if verdict is False or (verdict is None and kind in self._pending):
+        nbytes = 0
+        if verdict is None and kind not in self._pending:
+            nbytes = sum(t.untyped_storage().nbytes() for t in frame.saved.values())
+        # A step's checks hold what their calls saved: one check at least, more while they
+        # hold under the budget; the others keep (the engine keeps or swaps what they saved)
+        # and are checked in a later step. (Every stage of a conv net is a kind of its own:
+        # checked all at once, a step held everything, and ran out of memory.)
+        over = bool(self._pending) and self._held + nbytes > self.budget
+        if verdict is False or (verdict is None and (kind in self._pending or over)):
             frame.keep()
             if verdict is False:
                 refuse(frame.region, _DIFFERS)
             return True
         if verdict is None:
             self._pending.add(kind)
+            self._held += nbytes
             frame.kind = kind
         return False
 
