@@ -721,3 +721,21 @@ def test_a_step_checks_the_kinds_its_budget_holds_and_the_rest_later():
     checked.append(len(check.verdicts))         # (the last step's, after its backward)
     assert kinds > 2 and checked[-1] == kinds and all(check.verdicts.values()), checked
     assert all(b - a <= 1 for a, b in zip(checked, checked[1:])), checked
+
+
+def test_a_step_that_learns_checks_no_kind():
+    """A step that learns the model's use swaps all it can: a check's bytes beside that have
+    no room (a conv net at 85% of its peak on an H200 ran out of memory in that step). Its
+    calls keep, and the kind is checked in the first step that does not learn."""
+    import types
+
+    from lmsrt.recompute.reruns import RerunCheck
+    device = types.SimpleNamespace(tunes_algorithms=lambda: True)
+    kept = []
+    frame = types.SimpleNamespace(
+        region=types.SimpleNamespace(modules=(nn.Linear(2, 2),)), inputs=[], autocast=(),
+        saved={0: torch.zeros(4)}, kind=None, keep=lambda: kept.append(True))
+    check = RerunCheck(device, budget=1 << 20)
+    learning, planned = (types.SimpleNamespace(learning=flag) for flag in (True, False))
+    assert check.keeps(frame, None, step=2, policy=learning) and kept and frame.kind is None
+    assert not check.keeps(frame, None, step=3, policy=planned) and frame.kind is not None

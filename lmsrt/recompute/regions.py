@@ -304,7 +304,7 @@ class Regions:
         # What a call saves is what recomputing it frees, also where this call keeps (its
         # unsaved inputs changed: later calls copy them, and drop).
         frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
-        if self._rerun_check.keeps(frame, self.refuse, self.step):    # reruns.py
+        if self._rerun_check.keeps(frame, self.refuse, self.step, self.engine.policy):
             self._kept_calls += 1
             return
         if frame.settle(check=frame.kind is not None):

@@ -19,7 +19,8 @@
   beside the plan's: a step checks one kind at least, more while what they hold stays under a
   sixteenth of the limit, and the calls of the kinds left keep, checked in later steps (every
   stage of a conv net is a kind of its own: checked all in one step, they held all the net
-  saved). One whose call was not rerun in backward (no backward through it, or a rerun forced
+  saved); a step that learns the model's use checks none (it swaps all it can: a check's bytes
+  beside that ran a conv net out of memory at 85% of its peak). One whose call was not rerun in backward (no backward through it, or a rerun forced
   before an optimizer step, on forward's thread) is made again in a later step.
 """
 from __future__ import annotations
@@ -47,11 +48,12 @@ class RerunCheck:
         self._held = 0                            # bytes their checking calls hold
         self._step = 0
 
-    def keeps(self, frame, refuse: Callable, step: int) -> bool:
+    def keeps(self, frame, refuse: Callable, step: int, policy=None) -> bool:
         """As ``frame`` settles: whether it keeps what it saved (its kind is being checked by
-        another call of this step, or was found to differ: then its region is refused through
-        ``refuse``). Otherwise it drops; ``frame.kind`` set: holding on to what it saved, to
-        check its rerun by."""
+        another call of this step, or is left for a later step, or was found to differ: then
+        its region is refused through ``refuse``). Otherwise it drops; ``frame.kind`` set:
+        holding on to what it saved, to check its rerun by. None while ``policy`` learns the
+        model's use (its step swaps all it can: nothing is left to make room for a check)."""
         if not self.device.tunes_algorithms():
             return False
         if step != self._step:          # kinds whose checking call was not rerun: again
@@ -65,7 +67,8 @@ class RerunCheck:
         # hold under the budget; the others keep (the engine keeps or swaps what they saved)
         # and are checked in a later step. (Every stage of a conv net is a kind of its own:
         # checked all at once, a step held everything, and ran out of memory.)
-        over = bool(self._pending) and self._held + nbytes > self.budget
+        over = (getattr(policy, "learning", False)
+                or bool(self._pending) and self._held + nbytes > self.budget)
         if verdict is False or (verdict is None and (kind in self._pending or over)):
             frame.keep()
             if verdict is False:
