@@ -20,8 +20,9 @@
   sixteenth of the limit, and the calls of the kinds left keep, checked in later steps (every
   stage of a conv net is a kind of its own: checked all in one step, they held all the net
   saved); a step that learns the model's use checks none (it swaps all it can: a check's bytes
-  beside that ran a conv net out of memory at 85% of its peak). One whose call was not rerun in backward (no backward through it, or a rerun forced
-  before an optimizer step, on forward's thread) is made again in a later step.
+  beside that ran a conv net out of memory at 85% of its peak). One whose call was not rerun
+  in backward (no backward through it, or a rerun forced before an optimizer step, on
+  forward's thread) is made again in a later step.
 """
 from __future__ import annotations
 
