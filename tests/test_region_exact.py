@@ -703,8 +703,9 @@ def test_a_step_checks_the_kinds_its_budget_holds_and_the_rest_later():
     held everything the net saved (out of memory at 85% of a conv net's peak on an H200). A
     step checks one kind at least, more while they hold under a sixteenth of the limit (here
     less than one stage saves): one kind a step, each checked in turn, and exact."""
-    from lmsrt.device import SimulatedDevice
     from test_regions import _segnet
+
+    from lmsrt.device import SimulatedDevice
     torch.manual_seed(0)
     plain_model, model = _segnet(), _segnet()
     model.load_state_dict(plain_model.state_dict())
