@@ -192,7 +192,7 @@ def format_blocks(blocks: List[Dict[str, object]]) -> List[str]:
     if len(blocks) < 2:
         return []
     width = max(22, *(len(str(b["block"])) + 2 for b in blocks))
-    lines = [f"{'per block, last step':{width}}{'kept':>11}{'moved':>11}{'rebuilt':>11}"
+    lines = [f"{'per block: last step':{width}}{'kept':>11}{'moved':>11}{'rebuilt':>11}"
              f"{'rerun':>11}{'rerun ms':>10}"]
     for b in blocks:
         ms = b["rerun_ms"]

@@ -105,8 +105,8 @@ def test_summary_shows_the_table():
     lms = _check_exact("sim", lambda: Stack(32, 4), torch.randn(4, 16, 32))
     stats, text = lms.stats(), lms.summary()
     assert "swapped out" in text and "regions recomputed" in text     # the lines kept
-    table = text[text.index("per block, last step"):].splitlines()
-    assert table[0].split() == ["per", "block,", "last", "step", "kept", "moved", "rebuilt",
+    table = text[text.index("per block: last step"):].splitlines()
+    assert table[0].split() == ["per", "block:", "last", "step", "kept", "moved", "rebuilt",
                                 "rerun", "rerun", "ms"]
     for line, row in zip(table[1:], stats["blocks"]):
         words = line.split()
@@ -163,7 +163,7 @@ def test_profile_shows_the_scripts_blocks(tmp_path):
     assert result.exit_code == 0, result.output
     out = result.output
     assert "under the script's lmsrt.LMS, step 2:" in out
-    table = out[out.index("per block, last step"):].splitlines()
+    table = out[out.index("per block: last step"):].splitlines()
     assert [line.split()[0] for line in table[1:5]] == ["blocks[0]", "blocks[1]", "blocks[2]",
                                                          "outside"]
     assert all("KiB" in line for line in table[1:4])

@@ -252,7 +252,7 @@ class Regions:
         local.frame = frame
         if self.phase == "timing":
             waits = getattr(self.engine, "_timed_waits", None)
-            frame.span = [region, *self._mark(), (waits, len(waits or ()))]
+            frame.span = [region, *_mark(self.simulated), (waits, len(waits or ()))]
             self._timings.append(frame.span)
         frame.hooks.__enter__()
         if self._rebuilds is not None:
@@ -289,7 +289,7 @@ class Regions:
         local = self._local
         local.frame = None
         if frame.span is not None:
-            self._end_region(frame.span)
+            _end_region(frame.span, self.simulated, getattr(self.engine, "_timed_waits", None))
         why = frame.close(keep_why)
         if self._rebuilds is not None:
             self._rebuilds.follow_noting()      # awake again where the engine notes (Rule 3)
@@ -360,32 +360,6 @@ class Regions:
 
     def check_rebuilt(self) -> None:
         """(params.py asks each watcher; a region's rerun checks itself as it runs.)"""
-    def _mark(self) -> list:
-        """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA
-        events; on the simulated device, wall times."""
-        if self.simulated:
-            return [time.perf_counter(), None]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        return [start, end]
-
-    def _end_region(self, span: list) -> None:
-        """A timed region's span ends: its end taken now, and the forward waits for copies out
-        timed inside it kept, to be taken off its time (they are the learning step's)."""
-        if self.simulated:
-            span[2] = time.perf_counter()
-        else:
-            span[2].record()
-        waits, first = span[3]
-        span[3] = ([w for w in waits[first:] if w[0] == "swapout_wait_ms"]
-                   if waits is not None and waits is getattr(self.engine, "_timed_waits", None)
-                   else [])
-
-    def _end(self, span: list) -> None:
-        if self.simulated:
-            span[-1] = time.perf_counter()
-        else:
-            span[-1].record()
 
     # -- backward (Rule 4) ---------------------------------------------------------------------
 
@@ -393,9 +367,9 @@ class Regions:
         """Run ``frame``'s region again (``rerun``), its GPU time taken."""
         with self._lock:
             self._waiting.discard(frame)
-        timing = self._mark()
+        timing = _mark(self.simulated)
         rerun(frame)
-        self._end(timing)
+        _end(timing, self.simulated)
         self._rerun_check.compare(frame, self.refuse)
         self._recomputes.append((frame.region, timing))
         if self.phase == "timing":
@@ -547,6 +521,36 @@ class Regions:
                     note=self.note, recomputed=step.recomputed_regions,
                     dropped_bytes=step.recomputed_bytes, recompute_ms=step.recompute_ms,
                     kept_calls=self._kept_calls)
+
+
+def _mark(simulated: bool) -> list:
+    """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA events;
+    on the simulated device, wall times."""
+    if simulated:
+        return [time.perf_counter(), None]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return [start, end]
+
+
+def _end_region(span: list, simulated: bool, timed_waits: Optional[list]) -> None:
+    """A timed region's span ends: its end taken now, and the forward waits for copies out
+    timed inside it kept, to be taken off its time (they are the learning step's; the engine's
+    ``timed_waits`` now)."""
+    if simulated:
+        span[2] = time.perf_counter()
+    else:
+        span[2].record()
+    waits, first = span[3]
+    span[3] = ([w for w in waits[first:] if w[0] == "swapout_wait_ms"]
+               if waits is not None and waits is timed_waits else [])
+
+
+def _end(span: list, simulated: bool) -> None:
+    if simulated:
+        span[-1] = time.perf_counter()
+    else:
+        span[-1].record()
 
 
 def link_bandwidth(device) -> float:
