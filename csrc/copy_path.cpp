@@ -189,6 +189,9 @@ class Keeper {
 
   bool armed() const { return armed_; }
 
+  // The forward point the next storage saved here gets (the engine's ``save_point``).
+  int64_t index() const { return index_; }
+
   py::object engine() const { return take_over_.attr("__self__"); }
 
   // Disarm; return (next forward point, sizes recorded, [(storage, version)] kept if
@@ -387,6 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arm", &Keeper::arm)
       .def("backward", &Keeper::backward)
       .def_property_readonly("armed", &Keeper::armed)
+      .def_property_readonly("index", &Keeper::index)
       .def_property_readonly("engine", &Keeper::engine)
       .def("take", &Keeper::take)
       .def("pack", &Keeper::pack)

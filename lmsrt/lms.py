@@ -20,9 +20,16 @@ from .say import say_once
 from .stats import StepStats
 from .summary import format_summary
 
-__all__ = ["LMS"]
+__all__ = ["LMS", "open_lms"]
 
 _live_engines: "weakref.WeakSet[SwapEngine]" = weakref.WeakSet()
+_made: "weakref.WeakSet[LMS]" = weakref.WeakSet()     # every LMS that swaps (open_lms)
+
+
+def open_lms() -> list:
+    """The LMS objects of this process that swap and are not closed (``lmsrt profile`` shows
+    the blocks of a script's own)."""
+    return [lms for lms in list(_made) if lms._engine is not None and not lms._engine.closed]
 # Out-of-memory errors in backward carry lmsrt's context (torch_patches, NOTE, 4).
 torch_patches.annotate_backward_ooms(_live_engines)
 
@@ -138,15 +145,16 @@ class LMS:
                          "build it.", stacklevel=2)
             self._engine = SwapEngine(config, self._device)
             _live_engines.add(self._engine)
+            _made.add(self)
             # When and how blocks of a model compiled whole are compiled (recompute/compiled.py).
             self._compile_advice = compiled.CompileAdvice(
                 self._engine, functools.partial(say_once, stacklevel=4))
             _advice.add(self._compile_advice)
             # C++ hooks where the copy path is built (the engine holds them weakly).
             self._hooks = self._engine.native_hooks()
-            if config.recompute:
-                # Repeated blocks recomputed in backward where that beats moving them.
-                self._regions = Regions(self._engine, self._hooks or self._engine)
+            # Repeated blocks recomputed in backward where that beats moving them; with recompute
+            # off, found only, to say what each one's saved tensors became (stats()["blocks"]).
+            self._regions = Regions(self._engine, self._hooks or self._engine, config.recompute)
 
     @classmethod
     def from_env(cls, **overrides) -> "LMS":
@@ -224,7 +232,24 @@ class LMS:
             engine.exit(recorder, exc, thread)
 
     def stats(self) -> Dict[str, object]:
-        """Counters of the last step and of the whole run, as a dict (bytes, counts, ms)."""
+        """Counters of the last step and of the whole run, as a dict (bytes, counts, ms).
+
+        ``last_step`` is the step in flight (once its backward is over, the last one run),
+        ``total`` the sums over the run, ``history`` the last steps. ``regions`` is the region
+        plan (None with ``recompute=False``). ``blocks`` is that step per block, a dict each, in
+        forward order, then the tensors saved outside any block (``"outside blocks"``):
+        ``block`` (its name, ``"model.layers[3]"``), ``kept_bytes`` (stayed on the GPU),
+        ``moved_bytes`` (swapped to host memory), ``rebuilt_bytes`` (rebuilt from a recipe),
+        ``rerun_bytes`` (dropped, the block rerun in backward), ``rerun_ms`` (those reruns' GPU
+        time, None where none was read). Each column's sum is the step's: ``kept_bytes +
+        live_bytes``, ``out_bytes``, ``recipe_bytes``, ``recomputed_bytes``
+        (lmsrt/recompute/account.py, NOTE [ Block account ]). Empty where LMS is off.
+
+        Example::
+
+            for row in lms.stats()["blocks"]:
+                print(row["block"], row["moved_bytes"], row["rerun_bytes"])
+        """
         if self._regions is not None:
             self._regions.read_times()          # recomputes finished since: into their step
         step = self._engine.current_step() if self._engine else StepStats()
@@ -249,7 +274,8 @@ class LMS:
             if self._engine and self._engine.rebuilds else {},
             "history": [s.as_dict() for s in self._engine.run_stats.history]
             if self._engine else [],
-            "regions": self._regions.stats() if self._regions else None,
+            "regions": self._regions.stats() if self.config.recompute and self._regions else None,
+            "blocks": self._regions.blocks() if self._regions else [],
             "compiled": self._compile_advice.stats() if self._compile_advice else None,
         }
 

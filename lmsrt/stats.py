@@ -99,6 +99,24 @@ class StepStats:
             self.kept_bytes += nbytes
             self.kept_tensors += tensors
 
+    def __post_init__(self) -> None:
+        # (forward point, bytes) of each storage swapped out and each rebuilt, in the order
+        # counted: what recompute/account.py attributes to blocks. Not fields: not in as_dict.
+        self.out_points: list = []
+        self.recipe_points: list = []
+
+    def count_out(self, nbytes: int, point: int) -> None:
+        """The storage saved at forward ``point`` (``nbytes``) was copied out to host memory."""
+        self.out_bytes += nbytes
+        self.out_tensors += 1
+        self.out_points.append((point, nbytes))
+
+    def count_recipe(self, nbytes: int, point: int) -> None:
+        """The storage saved at forward ``point`` (``nbytes``) is rebuilt in backward."""
+        self.recipe_bytes += nbytes
+        self.recipe_tensors += 1
+        self.recipe_points.append((point, nbytes))
+
     def count_recomputed(self, nbytes: int) -> None:
         """A region call dropped ``nbytes`` of saved tensors, to run again in backward."""
         self.recomputed_regions += 1

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .units import format_bytes
 
-__all__ = ["format_headline", "format_summary", "format_off", "moved", "HEADLINE", "LABELS"]
+__all__ = ["format_blocks", "format_headline", "format_summary", "format_off", "moved", "HEADLINE",
+           "LABELS"]
 
 # The headline's start: how ``lmsrt tune`` finds where a trial's summary begins in its stderr.
 HEADLINE = re.compile(r"^lmsrt: \d+ steps? ")
@@ -75,7 +76,7 @@ _REGIONS = {"regions recomputed", "  freed in forward", "  recompute GPU (ms)"}
 _OPTIMIZER = {"optimizer state on host", "  brought in", "  written back",   # once it moved
               "  update GPU (ms)"}
 # Every label of the table, and of the lines above it: each is explained in docs/run.md.
-LABELS = ("settings", "swap above", "auto", "regions", "not rebuilt",
+LABELS = ("settings", "swap above", "auto", "regions", "not rebuilt", "per block",
           *(label.strip() for label, _, _ in _ROWS))
 
 
@@ -184,6 +185,24 @@ def _table(stats: Dict[str, object], recomputed: bool) -> List[str]:
     return lines
 
 
+def format_blocks(blocks: List[Dict[str, object]]) -> List[str]:
+    """``LMS.stats()["blocks"]`` as a table: a line a block and one for what was saved outside
+    them, with what its saved tensors became in the last step; no lines where no block was
+    found (only the row outside)."""
+    if len(blocks) < 2:
+        return []
+    width = max(22, *(len(str(b["block"])) + 2 for b in blocks))
+    lines = [f"{'per block: last step':{width}}{'kept':>11}{'moved':>11}{'rebuilt':>11}"
+             f"{'rerun':>11}{'rerun ms':>10}"]
+    for b in blocks:
+        ms = b["rerun_ms"]
+        lines.append(f"{'  ' + str(b['block']):{width}}"
+                     + "".join(f"{format_bytes(b[k]):>11}" for k in
+                               ("kept_bytes", "moved_bytes", "rebuilt_bytes", "rerun_bytes"))
+                     + ("" if ms is None else f"{ms:10.1f}"))
+    return lines
+
+
 def format_summary(stats: Dict[str, object], full: bool = True) -> str:
     """The headline of ``LMS.stats()`` and, with ``full``, the table: the settings, what auto
     and the region plan decided, and every counter of the last step and of the run. A run with
@@ -214,4 +233,5 @@ def format_summary(stats: Dict[str, object], full: bool = True) -> str:
     lines.extend(_table(stats, recomputed))
     for op, why in stats.get("rebuild_refused", {}).items():
         lines.append(f"not rebuilt: {op} ({why})")
+    lines.extend(format_blocks(stats.get("blocks") or []))
     return "\n".join(lines)

@@ -231,3 +231,15 @@ def test_cuda_a_model_that_fits_trains_exactly_through_the_cpp_hooks():
             assert lms.stats()["last_step"]["mode"] == "plan"
             assert len(calls) == 1 and lms.stats()["last_step"]["kept_tensors"] >= 16
     assert lms.stats()["last_step"]["kept_tensors"] >= 16
+
+
+def test_blocks_accounted_while_the_cpp_hooks_decide(native):
+    """A block's span is read from the C++ hooks' forward point while they decide the packs
+    (recompute/account.py, NOTE [ Block account ]): the same rows as under the Python hooks."""
+    runs = _side_by_side(native, 4)
+    want, got = (runs[name][1].stats()["blocks"] for name in ("python", "native"))
+    assert got == want
+    # The first layer saved the batch; each tanh, outside the layers, saved its output first.
+    last = runs["native"][1].stats()["last_step"]
+    assert got[0]["kept_bytes"] > 0 and got[-1]["kept_bytes"] > 0
+    assert sum(row["kept_bytes"] for row in got) == last["kept_bytes"] + last["live_bytes"]

@@ -239,9 +239,10 @@ def test_an_input_changed_after_its_region_raises_as_autograd_does():
     assert lms.stats()["regions"]["recomputed"] == 2
 
 
-def test_recompute_off_finds_no_regions():
+def test_recompute_off_recomputes_no_regions():
     lms = lmsrt.LMS(lms=1, lms_frac=0.0, device="sim", recompute=False)
-    assert lms._regions is None and lms.stats()["regions"] is None
+    _train(Stack(32, 4), torch.randn(4, 16, 32), 3, lms)
+    assert lms.stats()["regions"] is None and lms.stats()["total"]["recomputed_regions"] == 0
 
 
 def _figures(excess_gib: float, **changes) -> StepFigures:

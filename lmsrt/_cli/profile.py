@@ -23,6 +23,7 @@ from ..launch.session import check_gpu_limit
 from ..profiler import render
 from ..profiler.recorder import StepDone, StepRecorder
 from ..profiler.report import build_report
+from ..summary import format_blocks
 from ._types import Number
 
 __all__ = ["command"]
@@ -97,6 +98,7 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     if not rec.backward_seen and not where.startswith(_IN_BACKWARD):
         report.notes.append("no backward was seen: the figures cover forward only.")
     click.echo(f"\n{report}")
+    _echo_blocks()
     outputs = []
     if png:
         data = report.png_bytes()
@@ -117,6 +119,18 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     if snapshot and rec.measured:
         click.echo(f"wrote the memory snapshot to {snapshot} (open it in pytorch.org/memory_viz)")
     raise SystemExit(status)
+
+
+def _echo_blocks() -> None:
+    """Per block, what the script's own ``lmsrt.LMS`` did with the step's saved tensors (the
+    report above measures the step as if without it)."""
+    from ..lms import open_lms
+    for lms in open_lms():
+        stats = lms.stats()
+        lines = format_blocks(stats["blocks"])
+        if lines:
+            click.echo(f"\nunder the script's lmsrt.LMS, step {stats['last_step']['step']}:")
+            click.echo("\n".join(lines))
 
 
 def _check_outputs_possible(png: Optional[str], snapshot: Optional[str]) -> None:

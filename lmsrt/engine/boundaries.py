@@ -96,6 +96,13 @@ class StepBoundaries:
         step = self.current_step()
         return step.step, sum(self.plan.current)
 
+    def save_point(self) -> int:
+        """The forward point the next storage saved in this step gets (while the C++ hooks decide
+        the packs, theirs: NOTE [ Steps that keep everything ]); recompute/account.py marks
+        where each block's call begins and ends by it."""
+        keeper = self._keeper() if self._armed else None
+        return self.state.index if keeper is None else keeper.index
+
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step
         listeners run first, with the number of the step that begins; one may raise to stop

@@ -154,6 +154,4 @@ class DeferredCopies:
             s.copy_done, s.host = done, slot
             deferred.popleft()
             self.held.copying(s)
-            step = self.step()
-            step.out_bytes += s.nbytes
-            step.out_tensors += 1
+            self.step().count_out(s.nbytes, s.seq)

@@ -95,8 +95,7 @@ class RecipeOffload:
             self._param_rebuilds.setdefault(id(p), []).append(s)
         if read:
             params.watch(self, parameters=True)
-        self.step.recipe_bytes += nbytes
-        self.step.recipe_tensors += 1
+        self.step.count_recipe(nbytes, seq)
         return s
 
     def _entry_of(self, t: torch.Tensor):

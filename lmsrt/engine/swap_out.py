@@ -61,8 +61,7 @@ class SwapOut:
             return None
         held.hold(s)
         held.copying(s)
-        self.step.out_bytes += nbytes
-        self.step.out_tensors += 1
+        self.step.count_out(nbytes, seq)
         return s
 
     def _wait_out(self, s: Offloaded) -> None:

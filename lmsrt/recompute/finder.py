@@ -75,11 +75,18 @@ class BlockFinder:
         self.names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # in the model
         self.kwargs_of: Optional[int] = None     # the id of the global pre-hook given kwargs
         self.found: List[Region] = []   # every region found, in order (its model may be gone)
+        self._first: dict = {}          # id of a region's first module -> the region
 
     def note_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """Step 1: the size of what a child of a mixed Sequential passes on."""
         if module in self.scanned_children:
             self.out_bytes[module] = output.untyped_storage().nbytes()
+
+    def region_of(self, module: nn.Module) -> Optional[Region]:
+        """The region ``module`` is the first module of, or None (at every module call: a plain
+        dict's lookup, not the weak one's)."""
+        region = self._first.get(id(module))
+        return region if region is not None and region._modules[0]() is module else None
 
     def scan(self, module: nn.Module) -> None:
         self.scanned.add(module)
@@ -123,6 +130,7 @@ class BlockFinder:
         (Rule 6)."""
         first = region.modules[0]
         self.of[first] = region
+        self._first[id(first)] = region
         self.found.append(region)
         if self.kwargs_of is not None and not region.chain:
             # torch calls a pre-hook with kwargs where the module names its id so.

@@ -160,21 +160,25 @@ class Frame:
     def copy_unsaved(self) -> None:
         """Hand the engine copies of the inputs its ops did not save, as they are now: an
         in-place change after the region (``x += block(x)``) leaves the rerun's inputs alone."""
+        start = self.regions.engine.save_point()
         for i, t, _ in self.inputs:
             if i in self.unsaved:
                 _, _, grad = self.leaves[i]
                 self.leaves[i] = (True, self.outer_pack(t.detach().clone()), grad)
         self.unsaved = set()
+        self.regions.account.late(self.region, start)
 
     def keep(self) -> None:
         """Nothing is recomputed: what its ops saved goes to the engine, which keeps or swaps
         it like any saved tensor; its inputs are not needed (Rule 3)."""
+        start = self.regions.engine.save_point()
         for index, alias in list(self.saved.items()):
             if index not in self.params:
                 self.outer[index] = self.outer_pack(alias)
                 del self.saved[index]
                 self.meta[index][0] = counter_only(alias.detach())
         self.leaves = self.inputs = None
+        self.regions.account.late(self.region, start)   # NOTE [ Block account ], 1
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
         index = handle.index

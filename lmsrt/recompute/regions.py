@@ -112,9 +112,10 @@ from .. import params
 from ..device import copy_bandwidth
 from ..say import say_once
 from ..units import format_bytes
+from .account import BlockAccount, innermost_is
 from .finder import BlockFinder, Region, blocks_line
 from .frames import Frame, rerun
-from .plan import StepFigures, checked, choose_regions, over_bound
+from .plan import StepFigures, checked, choose_regions, over_bound, timed_order
 from .reruns import RerunCheck
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
@@ -136,8 +137,9 @@ class Regions:
         lms.stats()["regions"]["recomputed"]      # regions recomputed in the last step
     """
 
-    def __init__(self, engine, hooks):
+    def __init__(self, engine, hooks, recompute: bool = True):
         self.engine = engine
+        self.finds_only = not recompute     # blocks found and accounted for, never recomputed
         self._rebuilds = engine.rebuilds
         self.hooks = (hooks.pack, hooks.unpack)
         self._owner = hooks             # the engine, or its C++ hooks
@@ -153,6 +155,7 @@ class Regions:
         refuse = weakref.WeakMethod(self.refuse)        # (no cycle: a dropped LMS goes at once)
         self.finder = BlockFinder(lambda region, why: refuse()(region, why))
         self._of = self.finder.of       # a region's first module -> the region
+        self.account = BlockAccount(engine, self.finder.region_of, hooks)
         self.order: List[Region] = []  # regions in forward order, as the timing step ran them
         self.figures: Optional[StepFigures] = None   # what the plan was made from
         self._local = threading.local()     # this thread's open frame and the one to settle
@@ -177,12 +180,19 @@ class Regions:
             # kwargs: for a region's module only, which names this hook in its
             # ``_forward_pre_hooks_with_kwargs`` (a global pre-hook has no with_kwargs of its own).
             regions = None if torch.compiler.is_compiling() else me()
-            return None if regions is None or regions.idle else regions._pre(module, args, kwargs)
+            if regions is None:
+                return None
+            regions.account.pre(module)         # before a frame takes the block's inputs
+            return None if regions.idle else regions._pre(module, args, kwargs)
 
         def post(module, args, *rest):
             # (kwargs, output) after a forward; (output,) where it raised (always_call).
             regions = None if torch.compiler.is_compiling() else me()
-            return None if regions is None or regions.idle else regions._post(module, *rest)
+            if regions is not None:
+                if not regions.idle:
+                    regions._post(module, *rest)
+                regions.account.post(module)
+            return None
 
         handles.append(nn.modules.module.register_module_forward_pre_hook(pre))
         self.finder.kwargs_of = handles[0].id
@@ -208,8 +218,7 @@ class Regions:
     # -- forward (Rules 2, 3) ------------------------------------------------------------------
 
     def _innermost_is_lms(self) -> bool:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return top is not None and getattr(top[0], "__self__", None) is self._owner
+        return innermost_is(self._owner)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
         local = self._local
@@ -243,7 +252,7 @@ class Regions:
         local.frame = frame
         if self.phase == "timing":
             waits = getattr(self.engine, "_timed_waits", None)
-            frame.span = [region, *self._mark(), (waits, len(waits or ()))]
+            frame.span = [region, *_mark(self.simulated), (waits, len(waits or ()))]
             self._timings.append(frame.span)
         frame.hooks.__enter__()
         if self._rebuilds is not None:
@@ -280,7 +289,7 @@ class Regions:
         local = self._local
         local.frame = None
         if frame.span is not None:
-            self._end_region(frame.span)
+            _end_region(frame.span, self.simulated, getattr(self.engine, "_timed_waits", None))
         why = frame.close(keep_why)
         if self._rebuilds is not None:
             self._rebuilds.follow_noting()      # awake again where the engine notes (Rule 3)
@@ -313,6 +322,7 @@ class Regions:
             self._kept_calls += 1
             return
         self.engine.step.count_recomputed(frame.nbytes)
+        self.account.drop(frame.region, frame.nbytes)
         with self._lock:
             self._waiting.add(frame)
         params.watch(self, parameters=True)
@@ -350,32 +360,6 @@ class Regions:
 
     def check_rebuilt(self) -> None:
         """(params.py asks each watcher; a region's rerun checks itself as it runs.)"""
-    def _mark(self) -> list:
-        """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA
-        events; on the simulated device, wall times."""
-        if self.simulated:
-            return [time.perf_counter(), None]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        return [start, end]
-
-    def _end_region(self, span: list) -> None:
-        """A timed region's span ends: its end taken now, and the forward waits for copies out
-        timed inside it kept, to be taken off its time (they are the learning step's)."""
-        if self.simulated:
-            span[2] = time.perf_counter()
-        else:
-            span[2].record()
-        waits, first = span[3]
-        span[3] = ([w for w in waits[first:] if w[0] == "swapout_wait_ms"]
-                   if waits is not None and waits is getattr(self.engine, "_timed_waits", None)
-                   else [])
-
-    def _end(self, span: list) -> None:
-        if self.simulated:
-            span[-1] = time.perf_counter()
-        else:
-            span[-1].record()
 
     # -- backward (Rule 4) ---------------------------------------------------------------------
 
@@ -383,11 +367,11 @@ class Regions:
         """Run ``frame``'s region again (``rerun``), its GPU time taken."""
         with self._lock:
             self._waiting.discard(frame)
-        timing = self._mark()
+        timing = _mark(self.simulated)
         rerun(frame)
-        self._end(timing)
+        _end(timing, self.simulated)
         self._rerun_check.compare(frame, self.refuse)
-        self._recomputes.append(timing)
+        self._recomputes.append((frame.region, timing))
         if self.phase == "timing":
             self._reruns.append((frame.region, timing))
 
@@ -398,6 +382,7 @@ class Regions:
         (NOTE [ Region plan ])."""
         self.read_times()                # into the step that ends, before the engine closes it
         self.leave()
+        self.account.restart()
         self._kept_calls = 0
         self.step = step
         # An evaluation (no grad) is no step to find or time regions in.
@@ -423,10 +408,12 @@ class Regions:
         in flight's ``recompute_ms``; one still running counts in the step that reads it done."""
         pending, step = self._recomputes, self.engine.step
         while pending:
-            start, end = pending[0]
+            region, (start, end) = pending[0]
             if end is None or not (self.simulated or end.query()):
                 return
-            step.recompute_ms += (end - start) * 1e3 if self.simulated else start.elapsed_time(end)
+            ms = (end - start) * 1e3 if self.simulated else start.elapsed_time(end)
+            step.recompute_ms += ms
+            self.account.rerun(region, ms)
             pending.popleft()
 
     def _survey_done(self) -> None:
@@ -437,6 +424,9 @@ class Regions:
                                                self.engine.carried_over())
         self._rebuilt = step1.recipe_bytes
         found = len(set(self._of.values()))
+        if self.finds_only:
+            self._done(f"{found} regions; recompute is off")
+            return
         if not self._of or self._excess < self.worth or self.bandwidth == SIM_BANDWIDTH:
             self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
                        f"bound is left to the swaps")
@@ -452,7 +442,7 @@ class Regions:
 
     def _plan(self) -> None:
         """NOTE [ Region plan ]."""
-        self.order = order = _timed_order(self._timings, self._reruns, self.simulated)
+        self.order = order = timed_order(self._timings, self._reruns, self.simulated)
         self._reruns = []
         t_fwd = sum(r.seconds for r in order)
         bandwidth = self.bandwidth or link_bandwidth(self.engine.device)
@@ -508,9 +498,15 @@ class Regions:
     def _say_blocks(self) -> None:
         """Once: the blocks found and those refused, with why (Rule 6)."""
         found = self._found()
-        if not found or "blocks" in self._said or (self.idle and all(r.usable for r in found)):
+        if (self.finds_only or not found or "blocks" in self._said
+                or (self.idle and all(r.usable for r in found))):
             return                      # (nothing recomputed, nothing refused: nothing to say)
         say_once("blocks", blocks_line(found), given=self._said, stacklevel=5)
+
+    def blocks(self) -> list:
+        """``LMS.stats()["blocks"]``: per block of the step in flight, and outside them, what
+        its saved tensors became (account.py, NOTE [ Block account ])."""
+        return self.account.rows(self._found())
 
     def stats(self) -> dict:
         """The regions and the plan, for ``LMS.stats()["regions"]`` (which reads the times
@@ -527,44 +523,34 @@ class Regions:
                     kept_calls=self._kept_calls)
 
 
-def _timed_order(timings: list, reruns: list, simulated: bool) -> List[Region]:
-    """The timing step's regions in forward order, each with its ``seconds`` (NOTE [ Region
-    plan ], 3) from its timed spans ([region, start, end, forward waits for copies out]) and
-    its reruns in that step's backward ((region, [start, end]))."""
-    seen, order = set(), []
-    for region, start, end, waits in timings:
-        if end is None or isinstance(waits, tuple):      # still running on another thread
-            continue
-        if not simulated:
-            end.synchronize()
-        seconds = (end - start) if simulated else start.elapsed_time(end) / 1e3
-        # What forward waited for copies out inside it is the learning step's, not its own
-        # (measured on a GPT of 24 layers: 106 ms of forward timed, ~45 in a plain step).
-        waited = sum(a.elapsed_time(b) for _, a, b in waits) / 1e3
-        seconds = max(seconds - waited, seconds / 4)
-        region.seconds = seconds if region not in seen else min(region.seconds, seconds)
-        if region not in seen:
-            seen.add(region)
-            order.append(region)
-    # Its rerun in backward ran the same ops without swapping a byte, and is what a recompute
-    # costs: a region counts at the faster of the two.
-    for region, (start, end) in reruns:
-        if region in seen and end is not None:
-            if not simulated:
-                end.synchronize()
-            seconds = (end - start) if simulated else start.elapsed_time(end) / 1e3
-            region.seconds = min(region.seconds, seconds)
-    # The timing step learns: its swaps and pins slow some regions down (measured on a 24-layer
-    # Llama: 3.4 to 5.4 ms a layer, 115 ms in all, against a plain forward of 62 ms), which made
-    # the plan count on copies hiding under a forward twice as long as it is. Blocks of one
-    # class do the same work: each counts at the fastest of its class, and so does forward's.
-    fastest: dict = {}
-    for r in order:
-        kind = type(r.modules[0])
-        fastest[kind] = min(fastest.get(kind, r.seconds), r.seconds)
-    for r in order:
-        r.seconds = fastest[type(r.modules[0])]
-    return order
+def _mark(simulated: bool) -> list:
+    """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA events;
+    on the simulated device, wall times."""
+    if simulated:
+        return [time.perf_counter(), None]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return [start, end]
+
+
+def _end_region(span: list, simulated: bool, timed_waits: Optional[list]) -> None:
+    """A timed region's span ends: its end taken now, and the forward waits for copies out
+    timed inside it kept, to be taken off its time (they are the learning step's; the engine's
+    ``timed_waits`` now)."""
+    if simulated:
+        span[2] = time.perf_counter()
+    else:
+        span[2].record()
+    waits, first = span[3]
+    span[3] = ([w for w in waits[first:] if w[0] == "swapout_wait_ms"]
+               if waits is not None and waits is timed_waits else [])
+
+
+def _end(span: list, simulated: bool) -> None:
+    if simulated:
+        span[-1] = time.perf_counter()
+    else:
+        span[-1].record()
 
 
 def link_bandwidth(device) -> float:

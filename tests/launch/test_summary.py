@@ -96,7 +96,8 @@ def test_the_headline_comes_first_and_each_row_has_its_label():
     first, *rest = text.splitlines()
     assert first.startswith("lmsrt: 3 steps; GPU peak ") and " of 4.00 MiB (" in first
     assert lms.summary(full=False) == first
-    for line in rest:
+    blocks = next(i for i, line in enumerate(rest) if line.startswith("per block:"))
+    for line in rest[:blocks + 1]:                  # (below it, a line a block, by its name)
         label = line.split(":")[0] if ":" in line[:12] else line[:22].strip()
         assert not label or label in LABELS, line
     for term in ("mark", "alive anyway", "beyond the plan", "not eligible"):
