@@ -554,6 +554,8 @@ def test_tune_runs_from_a_folder_that_holds_another_lmsrt(tmp_path, monkeypatch)
                   "train.py")
     assert result.exit_code == 0, result.output
     trials = load(tmp_path / "out")["trials"]
-    assert [t["status"] for t in trials] == ["ok", "ok"], trials
+    # (Two trials within each other's spread, on a loaded machine, run again: not searched.)
+    assert [t["status"] for t in trials if t["repeat_of"] is None] == ["ok", "ok"], trials
+    assert all(t["status"] == "ok" for t in trials), trials
     assert "trial 1 of ~2: lms=1 lms_frac=0" in result.output            # the progress line
     assert "trial 2 of ~2, about " in result.output and " s left: " in result.output
