@@ -112,8 +112,13 @@ class OffloadPlan:
         what = f"{format_bytes(nbytes)}" + (f" ({dtype} {list(shape)})" if shape is not None
                                              else "")
         if expected is None:
-            return f"storage {index + 1} saved, {what}, where {index} were planned for"
-        return f"storage {index + 1} was {what} where {format_bytes(expected)} was planned for"
+            said = f"storage {index + 1} saved, {what}, where {index} were planned for"
+        else:
+            said = f"storage {index + 1} was {what} where {format_bytes(expected)} was planned for"
+        # The sizes around it, planned and saved: an extra storage shifts the rest, another
+        # kernel's differ at one place only.
+        return (f"{said}; planned {_around(self.sequence, index)}, saved "
+                f"{_around(self.current, index)}")
 
     def outgrew(self, learnt: List[int]) -> bool:
         """Whether the step just finished outgrew ``learnt``: where the two first differ, its
@@ -179,3 +184,10 @@ class OffloadPlan:
         self.chosen = list(chosen)
         self.target = sum(n for n, out in zip(self.sequence, chosen) if out)
         self.cutoff = max((i + 1 for i, out in enumerate(chosen) if out), default=0)
+
+
+def _around(sizes: List[int], index: int) -> str:
+    """``sizes`` from two before ``index`` to three after it, the one at ``index`` bracketed."""
+    first = max(0, index - 2)
+    return " / ".join(f"[{format_bytes(n)}]" if i == index else format_bytes(n)
+                     for i, n in enumerate(sizes[first:index + 4], first)) or "none"

@@ -437,6 +437,9 @@ def test_a_lean_step_that_saves_another_sequence_of_its_batch_ends_lean_steps():
     # The note says where: the fourth storage, one the plan did not have.
     note = history[2]["policy_note"]
     assert "storage 4 saved, 128 KiB (float32 [256, 128])" in note and "from now on" in note
+    # and the sizes around it: the plan's three, the step's four (the fourth bracketed)
+    assert ("planned 128 KiB / 128 KiB, saved 128 KiB / 128 KiB / [128 KiB] / 128 KiB"
+            in note), note
 
 
 def test_a_lean_step_of_another_batch_ends_lean_steps_for_a_while():
