@@ -82,6 +82,8 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     _check_outputs_possible(png, snapshot)
     if gpu_limit is not None:
         _apply_gpu_limit(gpu_limit)
+    from ..lms import open_lms
+    before = {id(lms) for lms in open_lms()}         # the script's LMS objects are the others
     rec, status, where = _run_step(script, args, steps, snapshot)
     if status == 130:
         raise SystemExit(130)          # Ctrl-C: stop, as python would; no report
@@ -98,7 +100,7 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     if not rec.backward_seen and not where.startswith(_IN_BACKWARD):
         report.notes.append("no backward was seen: the figures cover forward only.")
     click.echo(f"\n{report}")
-    _echo_blocks()
+    _echo_blocks(before)
     outputs = []
     if png:
         data = report.png_bytes()
@@ -121,11 +123,14 @@ def command(gpu_limit: Optional[float], gpu_size: Optional[float], steps: int, h
     raise SystemExit(status)
 
 
-def _echo_blocks() -> None:
+def _echo_blocks(before: set) -> None:
     """Per block, what the script's own ``lmsrt.LMS`` did with the step's saved tensors (the
-    report above measures the step as if without it)."""
+    report above measures the step as if without it); ``before``: ids of the LMS objects open
+    before the script ran, not its own."""
     from ..lms import open_lms
     for lms in open_lms():
+        if id(lms) in before:
+            continue
         stats = lms.stats()
         lines = format_blocks(stats["blocks"])
         if lines:
