@@ -14,7 +14,14 @@ import contextlib
 
 import torch
 
-__all__ = ["pop_own_hooks", "remove_own_hooks", "hooks_aside"]
+__all__ = ["innermost_is", "pop_own_hooks", "remove_own_hooks", "hooks_aside"]
+
+
+def innermost_is(owner) -> bool:
+    """Whether this thread's innermost saved-tensor hooks are ``owner``'s (an engine, or its C++
+    hooks)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__self__", None) is owner
 
 
 def pop_own_hooks(engine=None):

@@ -30,26 +30,22 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-__all__ = ["BlockAccount", "OUTSIDE", "innermost_is"]
+from ..hook_stack import innermost_is
+from .finder import BlockCall
+
+__all__ = ["BlockAccount", "OUTSIDE"]
 
 OUTSIDE = "outside blocks"      # the row of what was saved outside any block
 
 
-def innermost_is(owner) -> bool:
-    """Whether the innermost saved-tensor hooks are ``owner``'s (an engine, or its C++ hooks)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and getattr(top[0], "__self__", None) is owner
+class _Call(BlockCall):
+    """One call of a block, and its span of forward points."""
 
-
-class _Call:
-    """One call of a block: its span of forward points, and how far its modules have run."""
-
-    __slots__ = ("region", "start", "end", "depth", "pos")
+    __slots__ = ("start", "end")
 
     def __init__(self, region, start: int, end: Optional[int] = None):
-        self.region, self.start, self.end = region, start, end
-        self.depth = 1          # module calls running inside it (its first one, at entry)
-        self.pos = 0            # a stage's modules returned so far
+        super().__init__(region)
+        self.start, self.end = start, end
 
 
 class BlockAccount:
@@ -79,9 +75,7 @@ class BlockAccount:
         local = self._local
         call = getattr(local, "call", None)
         if call is not None:
-            modules = call.region.modules if call.region.chain and not call.depth else ()
-            if call.depth or (call.pos < len(modules) and modules[call.pos] is module):
-                call.depth += 1
+            if call.enters(module):
                 return
             self._end(call)             # a walk left the stage before its end
         region = self.region_of(module)
@@ -93,16 +87,8 @@ class BlockAccount:
 
     def post(self, module: nn.Module) -> None:
         call = getattr(self._local, "call", None)
-        if call is None:
-            return
-        if not call.depth:              # a module around the stage returned
+        if call is not None and call.returns() in ("left", "done"):
             self._end(call)
-            return
-        call.depth -= 1
-        if not call.depth:
-            call.pos += 1
-            if not call.region.chain or call.pos == len(call.region.modules):
-                self._end(call)
 
     def _end(self, call: _Call) -> None:
         call.end = self.engine.save_point()

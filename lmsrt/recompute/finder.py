@@ -18,7 +18,7 @@ from torch import nn
 
 from .safety import BlockState
 
-__all__ = ["BlockFinder", "Region", "blocks_line", "repeated_children"]
+__all__ = ["BlockCall", "BlockFinder", "Region", "blocks_line", "repeated_children"]
 
 _LEARNING = 2            # a region's first calls whose inputs are watched after it (Rule 5)
 
@@ -46,6 +46,47 @@ class Region:
     def modules(self) -> tuple:
         """Its modules, in call order (a region is found again if its model is dropped)."""
         return tuple(ref() for ref in self._modules)
+
+
+class BlockCall:
+    """One call of a region, followed through the global module hooks: the module calls running
+    inside it and, for a stage, how many of its modules have returned. A region's frame
+    (frames.py) and the block account (account.py) follow calls alike."""
+
+    __slots__ = ("region", "depth", "pos")
+
+    def __init__(self, region: Region):
+        self.region = region
+        self.depth = 1          # module calls running inside it (its first one, at entry)
+        self.pos = 0            # a stage's modules returned so far
+
+    def follows(self, module: nn.Module) -> bool:
+        """Whether ``module``, called outside its modules, is its stage's next one."""
+        if not self.region.chain:
+            return False
+        modules = self.region.modules
+        return self.pos < len(modules) and modules[self.pos] is module
+
+    def enters(self, module: nn.Module) -> bool:
+        """``module`` is called while the call is open: whether it is part of the call (inside
+        it, or its stage's next module), counted so."""
+        if self.depth or self.follows(module):
+            self.depth += 1
+            return True
+        return False
+
+    def returns(self) -> str:
+        """A module returned while the call is open: "left" (one around a stage, which the walk
+        left before its end), "inside" (one inside a module of the call), "next" (a module of
+        a stage with more to come) or "done"."""
+        if not self.depth:
+            return "left"
+        self.depth -= 1
+        if self.depth:
+            return "inside"
+        self.pos += 1
+        done = not self.region.chain or self.pos == len(self.region.modules)
+        return "done" if done else "next"
 
 
 def repeated_children(children: Sequence[nn.Module]) -> List[int]:

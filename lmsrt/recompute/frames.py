@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..engine.records import counter_only, modified_error
 from ..hook_stack import remove_own_hooks
 from ..options import spelled
+from .finder import BlockCall
 from .safety import ambient, generator_states, restore_ambient
 
 __all__ = ["Frame", "rerun", "running_norms"]
@@ -44,13 +45,14 @@ def _device_ctx():
     return next((m for m in reversed(modes) if isinstance(m, DeviceContext)), None)
 
 
-class Frame:
+class Frame(BlockCall):
     """One call of a region in one forward: its inputs (every tensor in its arguments, nested
     ones and keyword ones included, through the engine), the state its rerun restores, its saved
     tensors' metadata and, while it runs, the tensors themselves."""
 
     def __init__(self, regions, region, args: tuple, kwargs: dict, outer):
-        self.regions, self.region = regions, region
+        super().__init__(region)
+        self.regions = regions
         self.outer_pack, self.outer_unpack = outer
         leaves, self.spec = tree_flatten((args, kwargs))
         tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
@@ -85,8 +87,6 @@ class Frame:
         self.kind = None              # its kind of call, while checked (reruns.py)
         self.dropped = False
         self.nbytes = 0               # bytes dropped (storages other than inputs and parameters)
-        self.depth = 1                # module calls running inside it (its first one, at entry)
-        self.pos = 0                  # the chain's modules returned so far
         self.span = None              # its forward's timing span, in a timing step
         self.blind = False            # called with keyword arguments its entry did not see
         self.unpacked = False         # backward used what it holds before it settled
@@ -109,11 +109,6 @@ class Frame:
                 self._seen.add(ptr)
                 self.nbytes += storage.nbytes()
         return _Handle(self, index)
-
-    def follows(self, module: nn.Module) -> bool:
-        """Whether ``module``, called outside its modules, is its chain's next one."""
-        modules = self.region.modules
-        return self.region.chain and self.pos < len(modules) and modules[self.pos] is module
 
     def close(self, keep_why: str) -> str:
         """It returned, raised (``keep_why``), or a walk left it (Rule 3): its own hooks come

@@ -110,9 +110,10 @@ from torch import nn
 
 from .. import params
 from ..device import copy_bandwidth
+from ..hook_stack import innermost_is
 from ..say import say_once
 from ..units import format_bytes
-from .account import BlockAccount, innermost_is
+from .account import BlockAccount
 from .finder import BlockFinder, Region, blocks_line
 from .frames import Frame, rerun
 from .plan import StepFigures, checked, choose_regions, over_bound, timed_order
@@ -217,19 +218,15 @@ class Regions:
 
     # -- forward (Rules 2, 3) ------------------------------------------------------------------
 
-    def _innermost_is_lms(self) -> bool:
-        return innermost_is(self._owner)
-
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
         local = self._local
         frame = getattr(local, "frame", None)
         if frame is not None:
-            if frame.depth or frame.follows(module):     # inside it, or its chain's next one
-                frame.depth += 1
+            if frame.enters(module):        # inside it, or its stage's next module
                 return None
             self._close(frame, "")          # a walk left the stage before its end (Rule 3)
         if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
-                or not self._innermost_is_lms()):
+                or not innermost_is(self._owner)):
             return None
         self._saw_grad = True
         if module not in self.finder.scanned:
@@ -269,17 +266,15 @@ class Regions:
             return None
         if not isinstance(kwargs, dict):    # it raised (Rule 3): closed at once
             self._close(frame, "it raised")
-        elif frame.depth == 0:              # a module around the stage returned: the walk left
-            self._close(frame, "")
         else:
-            frame.depth -= 1
-            if frame.depth == 0:
-                frame.pos += 1
-                if frame.blind and kwargs:
-                    self.refuse(frame.region, "its keyword arguments were not seen at its entry")
-                    self._close(frame, "its keyword arguments were not seen")
-                elif not frame.region.chain or frame.pos == len(frame.region.modules):
-                    self._close(frame, "")
+            walked = frame.returns()
+            if walked == "left":            # a module around the stage returned
+                self._close(frame, "")
+            elif walked != "inside" and frame.blind and kwargs:
+                self.refuse(frame.region, "its keyword arguments were not seen at its entry")
+                self._close(frame, "its keyword arguments were not seen")
+            elif walked == "done":
+                self._close(frame, "")
         return None
 
     def _close(self, frame: Frame, keep_why: str) -> None:
