@@ -36,6 +36,22 @@ def _records_of_this_test_only(tmp_path, monkeypatch):
     monkeypatch.setattr(lmsrt.cache, "pins_dir", lambda: str(tmp_path / "pins"))
 
 
+@pytest.fixture(autouse=True)
+def _no_mode_left_on_the_stack():
+    """A test leaves no dispatch mode of lmsrt's on this thread's mode stack: one left there
+    runs every later op through Python, and its table holds what it noted (a recorder left
+    by one CUDA test held 2 GiB that the capped tests after it counted against their cap)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    before = list(_get_current_dispatch_mode_stack())
+    yield
+    left = [m for m in _get_current_dispatch_mode_stack() if m not in before]
+    if left:
+        from torch.utils._python_dispatch import _pop_mode
+        while len(_get_current_dispatch_mode_stack()) > len(before):
+            _pop_mode()
+        pytest.fail(f"the test left {[type(m).__name__ for m in left]} on the mode stack")
+
+
 @pytest.fixture
 def small_rebuilds_pay(request, monkeypatch):
     """On CUDA (a test's ``kind`` parameter), the tests' small rebuilds pass the cost rule
@@ -128,7 +144,30 @@ def _free_what_earlier_tests_held() -> None:
             delattr(sys, name)
     gc.collect()
     torch.cuda.synchronize()
+    # cuBLAS keeps a workspace for each stream it ran on (32 MiB or more each on Hopper), in
+    # the caching allocator and counted as allocated: tests that run matmuls on side streams
+    # leave dozens, which a later test's cap would count.
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _cuda_memory_given_back(request):
+    """A CUDA test that passes gives back the GPU memory it allocated (within 64 MiB): what one
+    keeps (a table, a cache, a dropped model still referenced) a later capped test counts
+    against its cap, and a user's process would hold it for good."""
+    if not request.node.get_closest_marker("cuda") or not torch.cuda.is_available():
+        yield
+        return
+    before = torch.cuda.memory_allocated()
+    yield
+    if hasattr(sys, "last_value"):
+        return          # the test failed: its traceback holds its tensors (and says why)
+    _free_what_earlier_tests_held()
+    left = torch.cuda.memory_allocated() - before
+    if left > 64 << 20:
+        pytest.fail(f"the test left {left / 2**20:.0f} MiB of GPU memory allocated")
 
 
 def pytest_runtest_setup(item):

@@ -870,10 +870,12 @@ def test_auto_fits_real_loops_on_a_gpu(loop, monkeypatch):
                 model.train()
         for _ in range(5):
             assert_same(ref, train_step(model, x, lms))
-        steps = _steps(lms.stats())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    notes = [(s["mode"], s["out_bytes"], s["policy_note"]) for s in steps]
+        steps = _steps(lms.stats())
+        notes = [(s["mode"], s["out_bytes"], s["gpu_peak_bytes"], s["predicted_peak_bytes"],
+                  s["alloc_failures"], s["policy_note"]) for s in steps]
+        print("\n".join(map(str, notes)))       # shown where the test fails
     assert any(s["mode"] == "plan" for s in steps[1:]), notes
     assert sum(s["alloc_failures"] for s in steps) == 0, notes
     said = " ".join(s["policy_note"] for s in steps)

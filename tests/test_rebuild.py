@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -121,6 +122,24 @@ def test_a_recorder_keeps_nothing_alive():
     gc.collect()
     assert gone() is None and len(rec) == 0
     assert a is not None
+
+
+def test_a_block_left_from_another_thread_forgets_its_asleep_recorder():
+    """A block left inside backward on autograd's device thread (CUDA's): the entering thread's
+    recorder, asleep since backward began, is forgotten there, so that thread's next forward
+    wakes nothing (it stayed on its mode stack for good, and ran every later op through it)."""
+    lms = make_lms("sim")
+    engine = lms._engine
+    recorder = engine.rebuilds.recorder().__enter__()
+    engine.rebuilds.sleep()                         # as backward begins
+    assert _get_current_dispatch_mode() is None
+    entering = threading.get_ident()
+    other = threading.Thread(target=engine.exit, args=(recorder, None, entering))
+    other.start()
+    other.join()
+    engine.rebuilds.follow_noting()                 # the entering thread's next forward
+    assert _get_current_dispatch_mode() is None
+    lms.close()
 
 
 # -- the engine rebuilds ---------------------------------------------------------------------

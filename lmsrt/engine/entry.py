@@ -46,8 +46,8 @@ class EnterExit:
         entering thread's hooks and recorder are taken off by that thread later."""
         here = threading.get_ident()
         thread = here if thread is None else thread
-        if recorder is not None and thread == here:
-            self.rebuilds.leave(recorder)
+        if recorder is not None:
+            self.rebuilds.leave(recorder, thread)
         if thread == here:
             remove_own_hooks(self)
         if torch._C._current_graph_task_id() != -1:

@@ -106,11 +106,17 @@ class Rebuilds:
         if thread not in self._asleep and self._own(_get_current_dispatch_mode()):
             self._asleep[thread] = _pop_mode()
 
-    def leave(self, recorder: Recorder) -> None:
-        """``recorder``'s block ends on this thread: off the mode stack, or forgotten asleep."""
-        if self._asleep.get(threading.get_ident()) is recorder:
-            del self._asleep[threading.get_ident()]
-        else:
+    def leave(self, recorder: Recorder, thread: Optional[int] = None) -> None:
+        """``recorder``'s block, entered on ``thread`` (this one when None), ends: forgotten if
+        asleep, else off this thread's mode stack. Left from another thread (autograd's device
+        thread, inside backward), a recorder on the entering thread's stack is that thread's to
+        take off (``pop_stale_recorder``); one asleep is forgotten here, or the entering
+        thread's next forward would wake it into a block already left, on its stack for good."""
+        here = threading.get_ident()
+        thread = here if thread is None else thread
+        if self._asleep.get(thread) is recorder:
+            del self._asleep[thread]
+        elif thread == here:
             recorder.__exit__(None, None, None)
 
     def _own(self, mode) -> bool:
