@@ -107,7 +107,9 @@ class OffloadPlan:
         """Where this step (or the one just finished) left the sequence it was planned for, in
         words; "" where it did not."""
         if self.diverged is None:
-            return ""
+            short = self.planned and self.matched and len(self.current) < len(self.sequence)
+            return (f"{len(self.current)} storages saved where {len(self.sequence)} were "
+                    f"planned for" if short else "")
         index, expected, nbytes, shape, dtype = self.diverged
         what = f"{format_bytes(nbytes)}" + (f" ({dtype} {list(shape)})" if shape is not None
                                              else "")

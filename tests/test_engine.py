@@ -456,3 +456,28 @@ def test_a_lean_step_of_another_batch_ends_lean_steps_for_a_while():
     assert [s["step"] for s in left] == [7], [s["policy_note"] for s in history]
     assert "storage 1 was 32.0 KiB" in left[0]["policy_note"]
     assert "none for 8 steps" in left[0]["policy_note"]
+
+
+def test_a_planned_step_that_leaves_its_plan_says_where():
+    """A planned step (not a lean one) whose model saved another sequence says so in its note,
+    with the storage where it left (measured: a conv net's fourth step under cuDNN's benchmark
+    mode left its plan, its note empty, and the next step ran out of memory)."""
+    model = _KernelChosenWithoutAMode()
+    model.forward = lambda x: torch.tanh(model.b(
+        torch.tanh(model.a(x)) * (torch.ones_like(x) if extra[0] else 1)))
+    extra = [False]
+    x = torch.randn(256, 128)
+    lms = make_lms("sim", capacity=1 << 30, lms=1, lms_frac=0.0)
+    for step in range(6):
+        extra[0] = step == 3
+        assert_same(train_step(model, x), train_step(model, x, lms=lms))
+    stats = lms.stats()
+    history = stats["history"] + [stats["last_step"]]
+    notes = [s["policy_note"] for s in history]
+    assert [s["mode"] for s in history] == ["reactive", "plan", "plan", "reactive", "reactive",
+                                           "plan"], notes
+    assert notes[3].startswith("this step left its plan (storage "), notes
+    assert "planned" in notes[3] and "saved" in notes[3], notes
+    # The step after it left the plan made from it: it saved one storage fewer.
+    assert notes[4] == "this step left its plan (4 storages saved where 5 were planned for)"
+    assert not any("left its plan" in n for n in notes[:3] + notes[5:]), notes

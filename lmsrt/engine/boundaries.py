@@ -232,6 +232,9 @@ class StepBoundaries:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
         where, diverged = self.plan.divergence(), self.plan.diverged
+        # A step the policy planned (not one it learnt from) that left its sequence.
+        strayed = (self.plan.planned and not self.plan.followed
+                   and self.policy.recording is None)
         followed = self.plan.finish_step(rebuildable)
         history = self.run_stats.history
         left = (self.state.lean and not followed and bool(history)
@@ -255,6 +258,9 @@ class StepBoundaries:
                                 retries=s.alloc_retries, failures=s.alloc_failures,
                                 over=self.state.over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
+        if strayed and where and not left:
+            s.policy_note = (f"this step left its plan ({where})"
+                             + (f"; {s.policy_note}" if s.policy_note else ""))
         if left:
             s.policy_note = (f"a step that kept everything saved another sequence than the one "
                              f"before it ({where or 'fewer storages'}): "
