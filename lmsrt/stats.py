@@ -58,6 +58,7 @@ class StepStats:
                                           # (cuDNN then runs a slower algorithm, and keeps it for
                                           # the run)
     prefetch_dropped: int = _summed(0)    # restored copies given back unused: use ran over the plan
+    backward_retries: int = _summed(0)    # allocations of backward tried again (copies given back)
     cpu_s: float = _summed(0.0)           # CPU seconds of the process's threads from this step's
                                           # start to the next's (near its wall time: the host is
                                           # the limit, not the GPU)

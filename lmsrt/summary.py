@@ -41,6 +41,7 @@ _ROWS: Tuple[Tuple[str, str, str], ...] = (
     ("  fetched ahead", "prefetch_hits", "n"),
     ("  fetched on demand", "prefetch_misses", "n"),
     ("  fetched, unused", "prefetch_dropped", "n"),
+    ("  failed, tried again", "backward_retries", "n"),
     ("  waited for (ms)", "swapin_wait_ms", "ms"),
     ("rebuilt, not moved", "recipe_bytes", "B"),
     ("  rebuilt in backward", "rebuilt_bytes", "B"),

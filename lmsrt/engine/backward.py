@@ -57,7 +57,12 @@ class UnpackSide:
             s = ref.storage
             self._check_version(ref, s)
             try:
-                data = self._resident(s)
+                try:
+                    data = self._resident(s)
+                except torch.OutOfMemoryError:
+                    if not self.room_in_backward():
+                        raise
+                    data = self._resident(s)
             except torch.OutOfMemoryError as e:
                 self.annotate_oom(e, f"bringing a saved tensor back for backward: a {ref.dtype} "
                                   f"tensor of shape {tuple(ref.size)}, whose storage of "
@@ -87,6 +92,18 @@ class UnpackSide:
                 view = self.copies.view(data, ref)
             self.prefetch.advance(self.plan, self.state.bwd_point)
         return view
+
+    def room_in_backward(self) -> bool:
+        """An allocation of backward's failed at the limit (a fetch on demand, a rebuild, a
+        region's rerun): give back the copies fetched ahead and not yet used, as Caffe's LMS
+        dropped clean copies; whether there were any (then the caller tries once more, and the
+        step counts it in ``backward_retries``). The policy sees the failure (``alloc_failures``)
+        and leaves more room from the next step."""
+        with self._lock:
+            if not self.prefetch.give_back():
+                return False
+            self.step.backward_retries += 1
+            return True
 
     @staticmethod
     def _original_view(ref: SwapHandle) -> Optional[torch.Tensor]:

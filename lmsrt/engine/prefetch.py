@@ -1,5 +1,6 @@
 """Backward's prefetch: fetch the storages backward needs next, ahead of their use, as far as
-the policy's level allows; give back fetched copies when use runs over it.
+the policy's level allows; give back fetched copies when use runs over it, and all of them
+when an allocation of backward's fails (``give_back``).
 
 Example::
 
@@ -143,20 +144,37 @@ class PrefetchWindow:
         needed last first, until use is within the level; they are fetched again later (clean
         copies: their bytes are still in host memory)."""
         use = self.gauge.use(0, level)
-        order = self.order
-        for k in range(self.cursor + 1, len(order)):       # ascending: needed last first
+        for k in range(self.cursor + 1, len(self.order)):  # ascending: needed last first
             if use <= level or not self.ahead:
                 return
-            s = order[k]
-            if (s.gpu is None or s.unpacked or s.consumed or s.source is not None
-                    or s.fetch_done is None):                  # rebuilt: not a prefetch
-                continue
-            self.order_after(s, s.fetch_done)                  # Rule 4
-            self.drop(s)
-            self.gauge.delta -= s.nbytes
-            use -= s.nbytes
-            self.cursor = max(self.cursor, k)
-            self.step().prefetch_dropped += 1
+            use -= self._unfetch(k)
+
+    def give_back(self) -> int:
+        """An allocation in backward failed (a fetch on demand, a rebuild, a region's rerun):
+        give back every restored copy not yet used and fetch none ahead for the rest of this
+        pass (backward fetches each on demand). Returns the bytes given back; the caller tries
+        its allocation once more if there were any."""
+        freed = 0
+        for k in range(self.cursor + 1, len(self.order)):
+            if not self.ahead:
+                break
+            freed += self._unfetch(k)
+        self.cursor = -1
+        return freed
+
+    def _unfetch(self, k: int) -> int:
+        """Give back the restored copy of ``order[k]`` if it is one fetched ahead and not yet
+        used (its bytes are still in host memory); returns its bytes, else 0."""
+        s = self.order[k]
+        if (s.gpu is None or s.unpacked or s.consumed or s.source is not None
+                or s.fetch_done is None):                      # rebuilt: not a prefetch
+            return 0
+        self.order_after(s, s.fetch_done)                      # Rule 4
+        self.drop(s)
+        self.gauge.delta -= s.nbytes
+        self.cursor = max(self.cursor, k)
+        self.step().prefetch_dropped += 1
+        return s.nbytes
 
     def fetch(self, s: Offloaded) -> None:
         """Bring ``s``'s bytes back from host memory into a block of its stream (Rule 3)."""

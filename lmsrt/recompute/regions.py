@@ -38,7 +38,9 @@ NOTE [ Recomputed regions ]
     last tensor it dropped (the rest is skipped, as torch's checkpoint stops early). The running
     statistics of its batch norms in training mode, updated once by forward, are put back after
     the rerun. Tensors are matched by the order they were saved in; a rerun that saves other
-    shapes or dtypes raises. Python code in its forward before that save runs again.
+    shapes or dtypes raises. Python code in its forward before that save runs again. A rerun
+    that runs out of memory runs once more after the engine gave back the copies it fetched
+    ahead (``SwapEngine.room_in_backward``), with the same inputs, RNG state and statistics.
   Rule 5 (versions). Autograd skips its in-place check while hooks are set, so each handle keeps
     its tensor's version counter (``engine.counter_only``) and unpack raises autograd's error
     when it moved; the engine checks the inputs it holds. An input its ops did not save may be
@@ -363,7 +365,12 @@ class Regions:
         with self._lock:
             self._waiting.discard(frame)
         timing = _mark(self.simulated)
-        rerun(frame)
+        try:
+            rerun(frame)
+        except torch.OutOfMemoryError:
+            if not self.engine.room_in_backward():
+                raise
+            rerun(frame)            # the same inputs, RNG state and statistics (Rule 4)
         _end(timing, self.simulated)
         self._rerun_check.compare(frame, self.refuse)
         self._recomputes.append((frame.region, timing))

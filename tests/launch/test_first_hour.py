@@ -67,7 +67,8 @@ def test_summary_bytes_use_the_byte_formatter():
              "limit_bytes": 2 * GiB}
     step = dict.fromkeys(("out_bytes", "out_tensors", "beyond_plan_bytes", "in_bytes",
                           "recipe_bytes", "recomputed_regions", "recomputed_bytes",
-                          "prefetch_hits", "prefetch_misses", "prefetch_dropped", "kept_bytes",
+                          "prefetch_hits", "prefetch_misses", "prefetch_dropped",
+                          "backward_retries", "kept_bytes",
                           "live_bytes", "skipped_tensors", "swapout_waits", "host_refused",
                           "alloc_retries", "alloc_failures", "gpu_peak_bytes", "host_lagged",
                           "host_peak_bytes", "host_pinned_bytes", "optimizer_host_bytes",
