@@ -83,7 +83,7 @@ class Frame(BlockCall):
         self.outer: Dict[int, object] = {}         # kept: the engine's handles (Rule 3)
         self.params: set = set()      # indices of parameters (and views of them): always kept
         self.again: Optional[Dict[int, torch.Tensor]] = None   # from the last recompute
-        self.check: Optional[Dict[int, torch.Tensor]] = None   # held to check the rerun by
+        self.checking = False         # kept, and rerun once in backward to check (reruns.py)
         self.kind = None              # its kind of call, while checked (reruns.py)
         self.dropped = False
         self.nbytes = 0               # bytes dropped (storages other than inputs and parameters)
@@ -131,10 +131,9 @@ class Frame(BlockCall):
             self.keep()
         return why
 
-    def settle(self, check: bool = False) -> bool:
+    def settle(self) -> bool:
         """Drop what its ops saved (Rule 3), unless an input its ops did not save was changed
-        in place since it returned (``x += block(x)``): then keep them. Returns whether kept.
-        ``check``: hold on to the dropped tensors to check the rerun by (reruns.py)."""
+        in place since it returned (``x += block(x)``): then keep them. Returns whether kept."""
         moved = any(t._version != v for i, t, v in self.inputs if i in self.unsaved)
         self.inputs = []
         if self.unpacked:               # backward came first: it has what it needs
@@ -142,12 +141,9 @@ class Frame(BlockCall):
         if moved:
             self.keep()
             return True
-        held = self.check = {} if check else None
         for index, meta in enumerate(self.meta):
             if index not in self.params:
-                tensor = self.saved.pop(index)
-                if held is not None:
-                    held[index] = tensor.detach()   # (the alias itself becomes the counter)
+                self.saved.pop(index)
                 meta[0] = counter_only(meta[0])
         self.dropped = True
         return False
@@ -163,16 +159,20 @@ class Frame(BlockCall):
         self.unsaved = set()
         self.regions.account.late(self.region, start)
 
-    def keep(self) -> None:
+    def keep(self, checking: bool = False) -> None:
         """Nothing is recomputed: what its ops saved goes to the engine, which keeps or swaps
-        it like any saved tensor; its inputs are not needed (Rule 3)."""
+        it like any saved tensor; its inputs are not needed (Rule 3). ``checking``: they are,
+        for one rerun in backward that is compared with what it kept (reruns.py)."""
         start = self.regions.engine.save_point()
         for index, alias in list(self.saved.items()):
             if index not in self.params:
                 self.outer[index] = self.outer_pack(alias)
                 del self.saved[index]
                 self.meta[index][0] = counter_only(alias.detach())
-        self.leaves = self.inputs = None
+        self.checking = checking
+        self.inputs = None
+        if not checking:
+            self.leaves = None
         self.regions.account.late(self.region, start)   # NOTE [ Block account ], 1
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
@@ -185,8 +185,15 @@ class Frame(BlockCall):
         if tensor is not None:
             self.unpacked = True
             return tensor
+        if self.checking:               # reruns.py: once, compared with what it kept
+            try:
+                self.regions.recompute(self)
+            except RuntimeError:        # (out of memory included) no verdict: a later step's
+                self.checking, self.again, self.leaves = False, None, None
         if index in self.outer:
-            return self.outer_unpack(self.outer[index])
+            originals = self.again if self.again is not None else {}
+            tensor = originals.pop(index, None)     # brought back for the check
+            return tensor if tensor is not None else self.outer_unpack(self.outer[index])
         if torch.is_grad_enabled():
             # A backward that builds a graph of its own (create_graph=True) would need the
             # recomputed tensors' history, which the rerun does not keep.
@@ -246,7 +253,7 @@ class _Collect:
     def __init__(self, frame: Frame):
         self.frame, self.index = frame, 0
         self.left = sum(1 for i in range(len(frame.meta))
-                        if i not in frame.saved and i not in frame.outer)
+                        if i not in frame.saved and (frame.checking or i not in frame.outer))
         frame.again = {}
 
     def pack(self, t: torch.Tensor) -> int:

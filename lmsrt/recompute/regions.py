@@ -171,7 +171,7 @@ class Regions:
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._reruns: list = []         # (region, [start, end]) of the timing step's reruns
         self._kept_calls = 0            # this step's region calls that kept their tensors
-        self._rerun_check = RerunCheck(engine.device, engine.limit >> 4)
+        self._rerun_check = RerunCheck(engine.device)
         self._span: list = []           # forward's first region start and last region end
         _flush_dead()                   # hooks of Regions collected before this one
         me = weakref.ref(self)
@@ -310,10 +310,10 @@ class Regions:
         # What a call saves is what recomputing it frees, also where this call keeps (its
         # unsaved inputs changed: later calls copy them, and drop).
         frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
-        if self._rerun_check.keeps(frame, self.refuse, self.step, self.engine.policy):
+        if self._rerun_check.keeps(frame, self.refuse, self.step):
             self._kept_calls += 1
             return
-        if frame.settle(check=frame.kind is not None):
+        if frame.settle():
             frame.region.copies = True      # Rule 5: from now on its inputs are copied
         if not frame.dropped:
             self._kept_calls += 1
@@ -401,6 +401,8 @@ class Regions:
             ending = self.engine.current_step()
             if ending.mode == "plan":
                 self._check_plan(ending)
+        if self._rerun_check.take_trusted():
+            self.engine.relearn()        # trusted kinds drop from now on: another sequence
         self._timings = []
         if self.phase not in ("survey", "timing"):
             self._say_blocks()
