@@ -131,10 +131,15 @@ class Frame(BlockCall):
             self.keep()
         return why
 
+    def moved(self) -> bool:
+        """Whether an input its ops did not save was changed in place since it returned
+        (``x += block(x)``): its rerun could not start from it (Rule 5)."""
+        return any(t._version != v for i, t, v in self.inputs if i in self.unsaved)
+
     def settle(self) -> bool:
         """Drop what its ops saved (Rule 3), unless an input its ops did not save was changed
-        in place since it returned (``x += block(x)``): then keep them. Returns whether kept."""
-        moved = any(t._version != v for i, t, v in self.inputs if i in self.unsaved)
+        in place since it returned (``moved``): then keep them. Returns whether kept."""
+        moved = self.moved()
         self.inputs = []
         if self.unpacked:               # backward came first: it has what it needs
             return False

@@ -9,10 +9,11 @@
   So while the device tunes its algorithms (``Device.tunes_algorithms``), each kind of call (the
   region's module classes; its inputs' shapes, strides and dtypes; autocast) is checked in
   backward before its drops are trusted. In a step, the first call of each kind not yet checked
-  keeps what it saved (the engine keeps or swaps it, as for any region not recomputed) and its
-  inputs too; at the first unpack in backward it runs again and its rerun is compared with what
-  it kept, bit for bit (batch norm's running statistics apart: its op saves them, the rerun
-  updates copies of them, and backward in training mode does not read them); backward then
+  (its inputs unchanged since it returned: ``x += block(x)`` keeps, unchecked) keeps what it
+  saved (the engine keeps or swaps it, as for any region not recomputed) and its inputs too;
+  at the first unpack in backward it runs again and its rerun is compared with what it kept,
+  bit for bit (batch norm's running statistics apart: its op saves them, the rerun updates
+  copies of them, and backward in training mode does not read them); backward then
   gets what it kept, whatever the verdict (the step stays exact). The kind's other calls in
   that step keep too. The same bits: calls of that kind drop from then on (autograd's thread
   keeps its choice for the run). Other bits: every region called with that kind is refused,
@@ -52,8 +53,10 @@ class RerunCheck:
     def keeps(self, frame, refuse: Callable, step: int) -> bool:
         """As ``frame`` settles: whether it keeps what it saved (its kind is not trusted yet:
         the first call of the kind in this step is then checked, ``frame.checking``; or its
-        kind was found to differ: then its region is refused through ``refuse``)."""
-        if not self.device.tunes_algorithms():
+        kind was found to differ: then its region is refused through ``refuse``). Not for a
+        call whose input moved since it returned (``Frame.moved``): its rerun could not start
+        from that input, and ``Frame.settle`` keeps it, unchecked."""
+        if not self.device.tunes_algorithms() or frame.moved():
             return False
         if step != self._step:          # kinds whose checking call was not rerun: again
             self._step, self._pending = step, set()
