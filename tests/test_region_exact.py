@@ -721,6 +721,34 @@ def test_a_check_whose_rerun_fails_gives_backward_what_it_kept(monkeypatch):
     assert not _regions(lms)["refused"] and _recomputed(lms) > 0, _regions(lms)
 
 
+def _step_biases(model):
+    biases = [b.bias for b in model.blocks]       # read by an add, which saves nothing
+    for b in biases:
+        b.grad = torch.ones_like(b)
+    torch.optim.SGD(biases, lr=0.1).step()
+    for b in biases:
+        b.grad = None
+
+
+@pytest.mark.parametrize("change", [_decay, _step_biases], ids=["data", "optimizer-step"])
+def test_a_check_is_given_up_when_parameters_change_before_backward(change):
+    """A checked call's rerun would read parameters changed between forward and backward (a
+    ``p.data`` write, an optimizer step: GAN loops, EMA) and compute other bits: its check is
+    given up instead, no block is refused, and a later step that leaves them alone checks it."""
+    calls = []                      # (the models of both runs)
+
+    def early(model):               # in the first three steps
+        calls.append(model)
+        if calls.count(model) <= 3:
+            change(model)
+
+    lms = _exact("sim", lambda: Stack(Embedded, 3), torch.randn(8, 32), steps=6, tuning=True,
+                 between=early)
+    check = lms._regions._rerun_check
+    assert check.verdicts and all(check.verdicts.values()), check.verdicts
+    assert _recomputed(lms) > 0 and _regions(lms)["refused"] == {}, _regions(lms)
+
+
 def test_every_kind_is_checked_in_one_step_and_the_plan_then_holds():
     """Every stage of a conv net is a kind of call of its own. A check keeps its call's saved
     tensors through the engine, as keeping does, so a step checks every kind it calls (the

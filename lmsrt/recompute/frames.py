@@ -180,6 +180,10 @@ class Frame(BlockCall):
             self.leaves = None
         self.regions.account.late(self.region, start)   # NOTE [ Block account ], 1
 
+    def uncheck(self) -> None:
+        """Its check gives no verdict (reruns.py): it keeps, like any kept call."""
+        self.checking, self.again, self.leaves = False, None, None
+
     def unpack(self, handle: _Handle) -> torch.Tensor:
         index = handle.index
         counter, version, shape, _ = self.meta[index]
@@ -194,7 +198,7 @@ class Frame(BlockCall):
             try:
                 self.regions.recompute(self)
             except RuntimeError:        # (out of memory included) no verdict: a later step's
-                self.checking, self.again, self.leaves = False, None, None
+                self.uncheck()
         if index in self.outer:
             originals = self.again if self.again is not None else {}
             tensor = originals.pop(index, None)     # brought back for the check

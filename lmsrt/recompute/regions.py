@@ -58,8 +58,9 @@ NOTE [ Recomputed regions ]
     cuDNN's benchmark mode each kind of call's rerun is checked once, bit for bit (reruns.py).
   Rule 7 (parameters between forward and backward). Before an optimizer steps or ``p.data`` is
     read or set (params.py), dropped regions that read those parameters run again at once
-    (``materialize``). A parameter or buffer changed otherwise in place is found as the rerun
-    starts: it raises saying so, and the region is refused.
+    (``materialize``); a checked call gives its check up (reruns.py). A parameter or buffer
+    changed otherwise in place is found as the rerun starts: it raises saying so, and the
+    region is refused.
 
 NOTE [ Region plan ]
   1. Step 1 surveys: regions are found, a mixed Sequential's output sizes read, nothing is
@@ -312,16 +313,18 @@ class Regions:
         frame.region.nbytes = max(frame.region.nbytes, frame.nbytes)
         if self._rerun_check.keeps(frame, self.refuse, self.step):
             self._kept_calls += 1
-            return
-        if frame.settle():
-            frame.region.copies = True      # Rule 5: from now on its inputs are copied
-        if not frame.dropped:
-            self._kept_calls += 1
-            return
-        self.engine.step.count_recomputed(frame.nbytes)
-        self.account.drop(frame.region, frame.nbytes)
-        with self._lock:
-            self._waiting.add(frame)
+            if not frame.checking:
+                return
+        else:
+            if frame.settle():
+                frame.region.copies = True      # Rule 5: from now on its inputs are copied
+            if not frame.dropped:
+                self._kept_calls += 1
+                return
+            self.engine.step.count_recomputed(frame.nbytes)
+            self.account.drop(frame.region, frame.nbytes)
+        with self._lock:                # rerun in backward: before the parameters it reads
+            self._waiting.add(frame)    # change, ``materialize`` sees it (Rule 7)
         params.watch(self, parameters=True)
 
     def leave(self) -> None:
@@ -352,8 +355,9 @@ class Regions:
         ids = parameters if isinstance(parameters, (set, frozenset)) else set(parameters)
         with self._lock:
             frames = [f for f in self._waiting if f.again is None and f.region.param_ids & ids]
-        for frame in frames:
-            self.recompute(frame)
+            self._waiting.difference_update(frames)
+        for frame in frames:            # a checked call keeps: its kind is checked later
+            frame.uncheck() if frame.checking else self.recompute(frame)
 
     def check_rebuilt(self) -> None:
         """(params.py asks each watcher; a region's rerun checks itself as it runs.)"""

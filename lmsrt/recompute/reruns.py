@@ -24,7 +24,9 @@
   saved tensors on the GPU ran a conv net out of memory at 85% of its peak: all at once, they
   held everything it saved; one a step, each step's sequence differed from the one learnt
   before, and no plan held.) One whose call was not rerun on autograd's thread (no backward
-  through it, or a rerun forced before an optimizer step) is made again in a later step.
+  through it) or that read parameters changed before backward (an optimizer step, a ``p.data``
+  write: its rerun would read their new values; given up as they change) is made again in a
+  later step.
 """
 from __future__ import annotations
 
