@@ -749,6 +749,28 @@ def test_a_check_is_given_up_when_parameters_change_before_backward(change):
     assert _recomputed(lms) > 0 and _regions(lms)["refused"] == {}, _regions(lms)
 
 
+class FirstCallUnused(nn.Module):
+    """Three calls of one kind of block; the first one's output is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP() for _ in range(2))
+
+    def forward(self, x):
+        self.blocks[0](x)                   # (a probe, say: no backward goes through it)
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_a_kind_whose_first_call_has_no_backward_is_checked_by_its_next_call():
+    """The check of a kind whose first call is never rerun (no backward through it) is made in
+    the next step by the kind's next call: else it would never be made, and no call of that
+    kind recomputed."""
+    lms = _exact("sim", FirstCallUnused, torch.randn(8, 32), steps=6, tuning=True)
+    check = lms._regions._rerun_check
+    assert check.verdicts and all(check.verdicts.values()), check.verdicts
+    assert _recomputed(lms) > 0, _regions(lms)
+
+
 def test_every_kind_is_checked_in_one_step_and_the_plan_then_holds():
     """Every stage of a conv net is a kind of call of its own. A check keeps its call's saved
     tensors through the engine, as keeping does, so a step checks every kind it calls (the

@@ -26,7 +26,8 @@
   before, and no plan held.) One whose call was not rerun on autograd's thread (no backward
   through it) or that read parameters changed before backward (an optimizer step, a ``p.data``
   write: its rerun would read their new values; given up as they change) is made again in a
-  later step.
+  later step, by the kind's next call (a kind whose first call of a step never has a backward
+  would otherwise never be checked, and never recomputed).
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class RerunCheck:
         self.verdicts: Dict[tuple, bool] = {}     # kind of call -> its rerun gave the same bits
         self.trusted_new = False                  # a kind was trusted since ``take_trusted``
         self._pending: set = set()                # kinds whose check is in flight this step
+        self._calls: Dict[tuple, int] = {}        # kind -> its calls settled this step
+        self._last_calls: Dict[tuple, int] = {}   # the same, the step before
+        self._skip: Dict[tuple, int] = {}         # kind -> calls a step lets by before checking
         self._step = 0
 
     def keeps(self, frame, refuse: Callable, step: int) -> bool:
@@ -60,8 +64,12 @@ class RerunCheck:
         from that input, and ``Frame.settle`` keeps it, unchecked."""
         if not self.device.tunes_algorithms() or frame.moved():
             return False
-        if step != self._step:          # kinds whose checking call was not rerun: again
+        if step != self._step:          # kinds whose checking call was not rerun: again,
+            for kind in self._pending:  # with the next call of theirs (it may have no backward)
+                if kind not in self.verdicts:
+                    self._skip[kind] = self._skip.get(kind, 0) + 1
             self._step, self._pending = step, set()
+            self._last_calls, self._calls = self._calls, {}
         kind = _kind(frame)
         verdict = self.verdicts.get(kind)
         if verdict:
@@ -70,7 +78,9 @@ class RerunCheck:
             frame.keep()
             refuse(frame.region, _DIFFERS)
             return True
-        checking = kind not in self._pending
+        calls = self._calls[kind] = self._calls.get(kind, 0) + 1
+        which = self._skip.get(kind, 0) % self._last_calls.get(kind, 1)
+        checking = kind not in self._pending and calls - 1 == which
         if checking:
             self._pending.add(kind)
             frame.kind = kind
