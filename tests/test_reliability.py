@@ -770,7 +770,10 @@ def _check_compile_exact(kind, backend):
             assert_same(ref, train_step(model, x, lms=lms))
     compiled = [m for m in said if "torch.compile" in m]
     assert len(compiled) == 1 and "between compiled regions" in compiled[0], said
-    assert lms.stats()["total"]["out_tensors"] > 0
+    # Offloaded between the compiled regions: moved, or (on a GPU, where timing decides)
+    # rebuilt instead of moved.
+    total = lms.stats()["total"]
+    assert total["out_bytes"] + total["recipe_bytes"] > 0, total
     torch._dynamo.reset()
 
 
