@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 import weakref
@@ -128,6 +129,16 @@ SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time
                                # sets ``Regions.bandwidth`` to make them cost)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
+
+
+def _locked(method):
+    """``method`` of ``Regions`` under its lock: threads that share one LMS each begin steps
+    (the engine's step listener) and read finished reruns, at once."""
+    @functools.wraps(method)
+    def run(self, *args):
+        with self._lock:
+            return method(self, *args)
+    return run
 
 
 class Regions:
@@ -164,11 +175,10 @@ class Regions:
         self.figures: Optional[StepFigures] = None   # what the plan was made from
         self._local = threading.local()     # this thread's open frame and the one to settle
         self._waiting: "weakref.WeakSet" = weakref.WeakSet()   # dropped frames not yet rerun
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # threads sharing the LMS: its sets, steps, times
         self._said: set = set()         # this LMS's lines said once
         self._saw_grad = False          # this step ran a forward with grad (not an evaluation)
-        self._timings: list = []        # [region, start, end, forward waits] of this step's
-                                        # recomputed forwards (the timing step)
+        self._timings: list = []        # [region, start, end, forward waits]: timing step
         self._recomputes: collections.deque = collections.deque()   # [start, end], unread
         self._reruns: list = []         # (region, [start, end]) of the timing step's reruns
         self._kept_calls = 0            # this step's region calls that kept their tensors
@@ -176,7 +186,6 @@ class Regions:
         self._span: list = []           # forward's first region start and last region end
         _flush_dead()                   # hooks of Regions collected before this one
         me = weakref.ref(self)
-        handles = []
 
         # Under torch.compile (which traces module hooks) nothing is done: saved-tensor hooks
         # see a compiled graph's tensors all at once, after it (DESIGN.md, "Compiled graphs").
@@ -198,7 +207,7 @@ class Regions:
                 regions.account.post(module)
             return None
 
-        handles.append(nn.modules.module.register_module_forward_pre_hook(pre))
+        handles = [nn.modules.module.register_module_forward_pre_hook(pre)]
         self.finder.kwargs_of = handles[0].id
         handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
                                                                        always_call=True))
@@ -383,6 +392,7 @@ class Regions:
 
     # -- steps and the plan --------------------------------------------------------------------
 
+    @_locked
     def _begin_step(self, step: int) -> None:
         """The engine's step listener: finish the last step's figures, move to the next phase
         (NOTE [ Region plan ])."""
@@ -411,6 +421,7 @@ class Regions:
         if self.phase not in ("survey", "timing"):
             self._say_blocks()
 
+    @_locked
     def read_times(self) -> None:
         """Add the GPU time of finished recomputes (in order: one stream runs them) to the step
         in flight's ``recompute_ms``; one still running counts in the step that reads it done."""
