@@ -148,6 +148,8 @@ class RunStats:
     host_peak_bytes: int = 0
 
     def add(self, step: StepStats) -> None:
+        # Its points are the block account's of the step in flight only: not kept in history.
+        step.out_points, step.recipe_points = [], []
         self.history.append(step)
         self.steps += 1
         for name in SUMMED:
