@@ -876,6 +876,9 @@ def test_auto_fits_real_loops_on_a_gpu(loop, monkeypatch):
         notes = [(s["mode"], s["out_bytes"], s["gpu_peak_bytes"], s["predicted_peak_bytes"],
                   s["alloc_failures"], s["policy_note"]) for s in steps]
         print("\n".join(map(str, notes)))       # shown where the test fails
+        print([{k: s[k] for k in ("bound_bytes", "headroom_bytes", "alloc_retries",
+                                   "backward_retries", "prefetch_dropped", "recomputed_bytes",
+                                   "recipe_bytes", "rebuild_checks")} for s in steps])
     assert any(s["mode"] == "plan" for s in steps[1:]), notes
     assert sum(s["alloc_failures"] for s in steps) == 0, notes
     said = " ".join(s["policy_note"] for s in steps)

@@ -12,9 +12,12 @@
   (its inputs unchanged since it returned: ``x += block(x)`` keeps, unchecked) keeps what it
   saved (the engine keeps or swaps it, as for any region not recomputed) and its inputs too;
   at the first unpack in backward it runs again and its rerun is compared with what it kept,
-  bit for bit (batch norm's running statistics apart: its op saves them, the rerun updates
-  copies of them, and backward in training mode does not read them); backward then
-  gets what it kept, whatever the verdict (the step stays exact). The kind's other calls in
+  bit for bit, brought back one tensor at a time (batch norm's running statistics apart: its
+  op saves them, the rerun updates copies of them, and backward in training mode does not read
+  them); backward then gets, of each tensor, the rerun's where the bits are the same and what
+  it kept where not, whatever the verdict (the step stays exact), and the GPU holds no more
+  than a rerun does, plus one tensor (all that it kept brought back at once beside the rerun's
+  tensors ran a conv net out of memory at 85% of its peak). The kind's other calls in
   that step keep too. The same bits: calls of that kind drop from then on (autograd's thread
   keeps its choice for the run). Other bits: every region called with that kind is refused,
   said once. A check holds nothing beside what keeping holds, and keeps the step's sequence of
@@ -89,19 +92,31 @@ class RerunCheck:
 
     def compare(self, frame, refuse: Callable) -> None:
         """After ``frame``'s rerun, if it was checked: its verdict, from the rerun's tensors
-        against what it kept (brought back from the engine), which backward gets either way;
-        its region refused through ``refuse`` where they differ."""
+        against what it kept, brought back from the engine one at a time; its region refused
+        through ``refuse`` where they differ. Backward gets, of each tensor, the rerun's where
+        the two are the same bits, else the one kept: the GPU holds the rerun's tensors and one
+        brought back beside them, as a region's rerun holds its own (all that it kept at once
+        beside them ran a conv net out of memory at 85% of its peak)."""
         if not frame.checking:
             return
         frame.checking = False
-        rerun, kept = frame.again or {}, {i: frame.outer_unpack(h) for i, h in frame.outer.items()}
-        frame.again, frame.leaves = kept, None
+        rerun, frame.again, frame.leaves = frame.again or {}, {}, None
         if torch._C._current_graph_task_id() == -1:
-            return                      # not on autograd's thread: checked in a later step
+            return      # not on autograd's thread: checked in a later step; backward fetches
         stats = {b.untyped_storage().data_ptr() for m in running_norms(frame.region)
                  for b in m.buffers() if b is not None}
-        same = all(torch.equal(rerun[i], t) for i, t in kept.items()
-                   if i in rerun and t.untyped_storage().data_ptr() not in stats)
+        same = True
+        for i, handle in frame.outer.items():
+            if i not in rerun:
+                continue                # brought back when backward asks for it
+            kept = frame.outer_unpack(handle)
+            if kept.untyped_storage().data_ptr() in stats:
+                frame.again[i] = kept   # the running statistics themselves
+                continue
+            equal = torch.equal(rerun[i], kept)
+            same = same and equal
+            frame.again[i] = rerun[i] if equal else kept
+            del kept
         self.verdicts[frame.kind] = same
         self.trusted_new = self.trusted_new or same
         if not same:
