@@ -423,8 +423,8 @@ class _KernelChosenWithoutAMode(torch.nn.Module):
 def test_a_lean_step_that_saves_another_sequence_of_its_batch_ends_lean_steps():
     """Measured on the Trainer at 20 GiB: every second step, planned to keep everything and
     noting no recipes, saved another sequence and swapped 9.5 GiB. A lean step that leaves the
-    plan past its first storage (its batch the plan's) ends lean steps for good: of 24 steps,
-    one leaves the plan (not 11), and every one is exact."""
+    plan ends lean steps for 8 steps, then 16: of 24 steps whose every lean one leaves it, two
+    leave the plan (not 11), and every one is exact."""
     model = _KernelChosenWithoutAMode()
     x = torch.randn(256, 128)
     lms = make_lms("sim", capacity=1 << 30, lms_frac="auto")
@@ -433,10 +433,11 @@ def test_a_lean_step_that_saves_another_sequence_of_its_batch_ends_lean_steps():
     history = lms.stats()["history"]
     left = [s["step"] for s in history if "another sequence" in s["policy_note"]]
     reactive = [s["step"] for s in history if s["mode"] != "plan"]
-    assert left == [3] and reactive == [1, 3], (left, reactive)
+    assert left == [3, 12] and reactive == [1, 3, 12], (left, reactive)
     # The note says where: the fourth storage, one the plan did not have.
-    note = history[2]["policy_note"]
-    assert "storage 4 saved, 128 KiB (float32 [256, 128])" in note and "from now on" in note
+    note, again = history[2]["policy_note"], history[11]["policy_note"]
+    assert "storage 4 saved, 128 KiB (float32 [256, 128])" in note and "none for 8 steps" in note
+    assert "none for 16 steps" in again, again
     # and the sizes around it: the plan's three, the step's four (the fourth bracketed)
     assert ("planned 128 KiB / 128 KiB, saved 128 KiB / 128 KiB / [128 KiB] / 128 KiB"
             in note), note
