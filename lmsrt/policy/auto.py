@@ -35,7 +35,8 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      (use over its level in forward) shows the profile short there: the model's own use is
      raised from that point to the end of forward by what it missed, and the next plan
      offloads earlier storages instead (``_learn_from``). The headroom (room the allocator
-     needs beside what is allocated) starts at limit/16; more than two allocator retries a
+     needs beside what is allocated) starts at limit/16; an allocation that failed at the limit
+     (a learning step's too) raises it by limit/64; more than two allocator retries a
      step near the bound raise it by limit/64, undone if the next step retries as often (those
      retries are the model's own, and count no more); after four clean steps (none with a
      retry beyond the model's own near the bound) it gives back limit/128, down to limit/32,
@@ -265,6 +266,19 @@ class AutoPolicy(LimitShares):
 
     # -- after a step ------------------------------------------------------------------------
 
+    def _failed(self, failures: int) -> None:
+        """An allocation failed at the limit and its caller went on with less: the step needed
+        more than its peak shows (cuDNN asked for a workspace, then ran a slower algorithm with
+        a smaller one, which it keeps for the run). Leave more room, from a learning step too:
+        measured on a conv net under cuDNN's benchmark mode at 85% of its peak on an H200, the
+        learning steps 2 and 3 failed 1 and 3 allocations, and the first planned step 1 more."""
+        limit = self.limit
+        self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
+        self._clean = 0
+        self.why = (f"{failures} allocation(s) failed at the limit and were worked around (a "
+                    f"library fell back to less memory): headroom raised to "
+                    f"{self.headroom / GiB:.2f} GiB")
+
     def finish_step(self, plan: OffloadPlan, *, followed: bool, forward_end_use: int,
                     swapped: int, beyond_plan: int, peak: int, retries: int,
                     failures: int = 0, over: Optional[tuple] = None,
@@ -273,6 +287,8 @@ class AutoPolicy(LimitShares):
         storage its plan keeps, use standing over the level (NOTE [ Auto ], 4). ``tuning``:
         whether cuDNN's benchmark mode is on (``Device.tunes_algorithms``)."""
         if self.learning:
+            if failures:
+                self._failed(failures)     # (its note is the learning's, below)
             prof = self._recording
             self._recording = None
             if prof is not None:
@@ -332,14 +348,7 @@ class AutoPolicy(LimitShares):
             bound = self.bound
         pressure = retries - self._own_retries      # retries that lmsrt's holdings may cause
         if failures and not beyond:
-            # An allocation failed at the limit and its caller went on with less: the step
-            # needed more than its peak shows (cuDNN asked for a workspace, then ran a slower
-            # algorithm with a smaller one, which it keeps for the run). Leave more room.
-            self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
-            self._clean = 0
-            self.why = (f"{failures} allocation(s) failed at the limit and were worked around "
-                        f"(a library fell back to less memory): headroom raised to "
-                        f"{self.headroom / gib:.2f} GiB")
+            self._failed(failures)
         elif pressure > _RETRIES and peak > bound - self.headroom and not beyond:
             # The allocator freed its cache to go on (a device sync) near the bound, more than
             # a couple of times: leave it more room. Retries far under the bound are the cache
