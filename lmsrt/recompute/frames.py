@@ -333,3 +333,8 @@ def rerun(frame: Frame) -> None:
                 region.modules[0](*args, **kwargs)
         except _Stop:
             pass
+        finally:
+            # What the rerun made may outlive it in an argument the frame holds (transformers'
+            # DynamicCache): their graph, never run backward, holds these hooks, which must not
+            # hold the frame (a cycle through autograd's graph, which no collector sees).
+            collect.frame = None
