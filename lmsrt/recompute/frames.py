@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..engine.records import counter_only, modified_error
+from ..engine.records import counter_only, counters_only, modified_error
 from ..hook_stack import remove_own_hooks
 from ..options import spelled
 from .finder import BlockCall
@@ -64,11 +64,12 @@ class Frame(BlockCall):
         self.unsaved = set(self.input_ptrs.values())    # inputs its ops did not save
         # Rule 6: RNG of the CPU and of every CUDA device its tensors live on (and the current
         # one); autocast of each device type; the ambient flags; each module's train flag.
-        kinds = {"cpu"} | {t.device.type for _, t in tensors}
+        devices = {t.device for _, t in tensors}
+        kinds = {"cpu"} | {d.type for d in devices}
         self.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
                          for k in sorted(kinds) if torch.amp.is_autocast_available(k)]
         self.cpu_rng = torch.get_rng_state()
-        cuda = {t.device for _, t in tensors if t.device.type == "cuda"}
+        cuda = {d for d in devices if d.type == "cuda"}
         if torch.cuda.is_initialized():
             cuda.add(torch.device("cuda", torch.cuda.current_device()))
         self.gpu_rng = [(d, torch.cuda.get_rng_state(d)) for d in cuda]
@@ -94,11 +95,16 @@ class Frame(BlockCall):
         self.hooks: Optional[saved_tensors_hooks] = saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> _Handle:
-        index = len(self.meta)
+        meta = self.meta
+        index = len(meta)
         alias = t.detach()
-        self.meta.append([alias, t._version, t.shape, t.dtype])
+        meta.append([alias, t._version, t.shape, t.dtype])
         self.saved[index] = alias
-        if _is_parameter(t):
+        base = t._base
+        if base is None:
+            base = t
+        if base.requires_grad and base.is_leaf:
+            # A trainable leaf or a view of one: alive anyway, so kept rather than recomputed.
             self.params.add(index)
         else:
             storage = t.untyped_storage()
@@ -146,10 +152,12 @@ class Frame(BlockCall):
         if moved:
             self.keep()
             return True
+        params, saved, dropped = self.params, self.saved, []
         for index, meta in enumerate(self.meta):
-            if index not in self.params:
-                self.saved.pop(index)
-                meta[0] = counter_only(meta[0])
+            if index not in params:
+                del saved[index]
+                dropped.append(meta[0])
+        counters_only(dropped)          # (the aliases in ``meta`` become counters in place)
         self.dropped = True
         return False
 
@@ -244,12 +252,6 @@ def running_norms(region) -> list:
     return [m for module in region.modules for m in module.modules()
             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
             and m.track_running_stats]
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A trainable leaf or a view of one: alive anyway, so kept rather than recomputed."""
-    base = t if t._base is None else t._base
-    return base.requires_grad and base.is_leaf
 
 
 class _Stop(Exception):
