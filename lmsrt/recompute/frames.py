@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Dict, Optional
 
 import torch
@@ -23,9 +24,19 @@ from ..options import spelled
 from .finder import BlockCall
 from .safety import ambient, generator_states, restore_ambient
 
-__all__ = ["Frame", "rerun", "running_norms"]
+__all__ = ["Frame", "RERUNS", "rerun", "running_norms"]
 
 _TURN_OFF = f"Turn recompute off (recompute=False, {spelled('recompute', False)})."
+
+
+class _Reruns(threading.local):
+    depth = 0
+
+
+# This thread's reruns under way: regions.py's module hooks stand aside in them, at every module
+# a rerun calls (they would find nothing to do: no frame opens in backward, and the rerun's
+# calls nest inside any walk of a frame still open).
+RERUNS = _Reruns()
 
 
 class _Handle:
@@ -297,6 +308,8 @@ def rerun(frame: Frame) -> None:
               for i, (tensor, a, _) in enumerate(frame.leaves)]
     args, kwargs = tree_unflatten(leaves, frame.spec)
     with contextlib.ExitStack() as stack:
+        RERUNS.depth += 1
+        stack.callback(setattr, RERUNS, "depth", RERUNS.depth - 1)
         region.state.restore_modes(stack, frame.modes)
         # Rule 7: what it reads besides its arguments is as forward saw it, or nothing runs.
         moved = region.state.moved(frame.versions, region.state.versions())
