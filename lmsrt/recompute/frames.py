@@ -16,6 +16,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.records import counter_only, counters_only, modified_error
@@ -50,8 +52,8 @@ class _Handle:
 
 def _device_ctx():
     """The ``torch.device`` context forward ran under, for the rerun (as torch's checkpoint)."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
+    if not torch._C._len_torch_function_stack():
+        return None                     # (no mode on: the common case, read at every region)
     modes = _get_current_function_mode_stack()
     return next((m for m in reversed(modes) if isinstance(m, DeviceContext)), None)
 
