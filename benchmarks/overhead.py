@@ -16,10 +16,12 @@ Settled steps are the last half; each is timed in wall and in process CPU time (
 wait for another process: read it on a busy machine), as the median and the least. lmsrt's
 overhead is its step less the plain step less what its reruns cost the model itself (a plain
 layer's forward, timed by hooks in a run of its own, times the layers recomputed). ``--profile``
-runs more settled steps under cProfile (which inflates every Python call) and splits lmsrt's time
-by where it is entered from outside lmsrt (the saved-tensor hooks per saved tensor, the module
-hooks per module call) and by function; the simulated device's own bookkeeping (it stands in for
-CUDA's allocator counters) is shown apart. Prints a table and writes overhead.json.
+runs more settled steps under cProfile and splits lmsrt's time by where it is entered from outside
+lmsrt (the saved-tensor hooks per saved tensor, the module hooks per module call) and by
+function; the simulated device's own bookkeeping (it stands in for CUDA's allocator counters) is
+shown apart. Read its call counts first: cProfile inflates every Python call, and charges a hook
+that a C++ op calls (a Linear's pack) with time a sampling profiler does not see there (py-spy:
+benchmarks/results/cpu-2026-11-28-overhead). Prints a table and writes overhead.json.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ ENTRIES = {
     "module post-hook": ("recompute/regions.py", "post"),
     "with lms: enter": ("lmsrt/lms.py", "__enter__"),
     "with lms: exit": ("lmsrt/lms.py", "__exit__"),
+    "optimizer step pre-hook": ("lmsrt/params.py", "before_step"),
     "rebuild recorder (dispatch mode)": ("recompute/recipes.py", "__torch_dispatch__"),
 }
 
@@ -141,6 +144,8 @@ def split(stats: pstats.Stats, steps: int) -> dict:
             for caller, (_, ncalls, _, cct) in callers.items():
                 if not _own(caller):
                     calls, seconds = calls + ncalls, seconds + cct
+            if not callers:         # called first thing after the profiler was enabled
+                calls, seconds = calls + nc, seconds + ct
         entries[label] = {"calls_per_step": calls / steps, "us_per_step": seconds / steps * 1e6,
                           "us_per_call": seconds / calls * 1e6 if calls else 0.0}
     funcs = []
@@ -214,6 +219,9 @@ def main() -> None:
         "cap": args.cap, "lms_frac": args.lms_frac, "capacity_bytes": int(peak * args.cap),
         "kept_peak_bytes": peak, "steps": args.steps, "torch": torch.__version__,
         "layer_forward_ms": layer_s * 1e3, "step": rows,
+        "step_cpu_ms": {name: [round(t * 1e3, 2) for t in run[1]]
+                        for name, run in (("plain", plain), ("checkpointing", peer),
+                                          ("lmsrt", times))},
         "settled": {"mode": step["mode"], "regions": regions["regions"],
                     "recomputed": step["recomputed_regions"], "moved_bytes": step["out_bytes"],
                     "rebuilt_bytes": step["recipe_bytes"], "engine_saves": saved,
