@@ -140,3 +140,20 @@ def test_optimizer_step_benchmark_runs_tiny_and_is_exact(tmp_path):
     assert [r["method"] for r in rows] == ["gpu", "host"]
     assert rows[1]["exact"] is True and rows[1]["in_bytes"] == rows[1]["state_bytes"] > 0
     assert "| host |" in out.stdout
+
+
+def test_overhead_benchmark_runs_tiny(tmp_path):
+    """benchmarks/overhead.py at two layers: its settled steps recompute both, move nothing, and
+    their losses are the plain run's; cProfile's split names the hooks it was entered by."""
+    import json
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--layers", "2",
+                          "--steps", "8", "--profile", "1", "--top", "3", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "overhead.json").read_text())
+    settled = result["settled"]
+    assert settled["recomputed"] == 2 and settled["moved_bytes"] == 0, settled
+    assert set(result["step"]) == {"wall median", "wall min", "cpu median", "cpu min"}
+    assert result["profile"]["entries"]["module pre-hook"]["calls_per_step"] > 0
+    assert "lmsrt's overhead" in out.stdout

@@ -8,8 +8,10 @@ check runs on the simulated device, and on CUDA under the marker:
     python -m pytest -q -m cuda tests/test_region_exact.py      # on a GPU machine
 """
 import contextlib
+import gc
 import random
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -562,6 +564,49 @@ def test_an_in_place_residual_on_an_input_its_block_did_not_save_trains_exactly(
     after it keeps without a check: its rerun would find the input changed."""
     lms = _exact("sim", InPlaceResidual, torch.randn(8, 32), steps=5, tuning=tuning)
     assert _recomputed(lms) > 0 and _regions(lms)["refused"] == {}
+
+
+class _Cache(list):
+    """What a block writes its tensors into, passed by its caller (transformers' DynamicCache)."""
+
+
+class CachingBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, cache):
+        y = torch.tanh(self.fc(x))
+        cache.append(y)
+        return x + self.out(y)
+
+
+class Caching(nn.Module):
+    caches: list = []                    # weak references to every forward's cache
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(CachingBlock() for _ in range(4))
+
+    def forward(self, x):
+        cache = _Cache()
+        Caching.caches.append(weakref.ref(cache))
+        for b in self.blocks:
+            x = b(x, cache=cache)
+        return x
+
+
+def test_a_cache_the_rerun_writes_into_is_freed_with_its_step():
+    """A block argument that is no tensor (a cache) stays the frame's until backward, and the
+    rerun writes its tensors into it; their autograd nodes hold the rerun's hooks, which must
+    not hold the frame (a cycle through autograd's graph, which the collector cannot see: on a
+    transformers Llama, every recomputed layer's inputs and cache were kept for the run)."""
+    Caching.caches.clear()
+    lms = _exact("sim", Caching, torch.randn(8, 32), steps=4)
+    assert _recomputed(lms) > 0
+    gc.collect()
+    held = [i for i, cache in enumerate(Caching.caches) if cache() is not None]
+    assert len(Caching.caches) == 8 and not held, held
 
 
 # -- threads and evaluation steps (cases 12, 13) ----------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from ..host import HostSlot
 
 __all__ = ["Offloaded", "Kept", "KeptHandle", "SwapHandle", "Watch", "NotAtHand", "producer_of",
-           "kept_handle", "counter_only", "modified_error", "bytes_of"]
+           "kept_handle", "counter_only", "counters_only", "modified_error", "bytes_of"]
 
 class Offloaded:
     """One saved storage that is swapped out; its views come back as views of one restored copy."""
@@ -139,9 +139,16 @@ def counter_only(alias: torch.Tensor) -> torch.Tensor:
     tensor's version counter: it tells whether the saved bytes were modified in place, also after
     every tensor that could do it is gone. (The set_ runs below autograd's in-place layer, so it
     does not itself count as a change.)"""
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        alias.set_()
+    counters_only((alias,))
     return alias
+
+
+def counters_only(aliases) -> None:
+    """``counter_only`` of each of ``aliases``, under one guard (a recomputed region's call lets
+    go of some thirty at once)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        for alias in aliases:
+            alias.set_()
 
 
 def modified_error(kind: str, size, producer, now: int, saved: int, how: str) -> RuntimeError:

@@ -10,22 +10,35 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..engine.records import counter_only, modified_error
+from ..engine.records import counter_only, counters_only, modified_error
 from ..hook_stack import remove_own_hooks
 from ..options import spelled
 from .finder import BlockCall
 from .safety import ambient, generator_states, restore_ambient
 
-__all__ = ["Frame", "rerun", "running_norms"]
+__all__ = ["Frame", "RERUNS", "rerun", "running_norms"]
 
 _TURN_OFF = f"Turn recompute off (recompute=False, {spelled('recompute', False)})."
+
+
+class _Reruns(threading.local):
+    depth = 0
+
+
+# This thread's reruns under way: regions.py's module hooks stand aside in them, at every module
+# a rerun calls (they would find nothing to do: no frame opens in backward, and the rerun's
+# calls nest inside any walk of a frame still open).
+RERUNS = _Reruns()
 
 
 class _Handle:
@@ -39,8 +52,8 @@ class _Handle:
 
 def _device_ctx():
     """The ``torch.device`` context forward ran under, for the rerun (as torch's checkpoint)."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
+    if not torch._C._len_torch_function_stack():
+        return None                     # (no mode on: the common case, read at every region)
     modes = _get_current_function_mode_stack()
     return next((m for m in reversed(modes) if isinstance(m, DeviceContext)), None)
 
@@ -64,11 +77,12 @@ class Frame(BlockCall):
         self.unsaved = set(self.input_ptrs.values())    # inputs its ops did not save
         # Rule 6: RNG of the CPU and of every CUDA device its tensors live on (and the current
         # one); autocast of each device type; the ambient flags; each module's train flag.
-        kinds = {"cpu"} | {t.device.type for _, t in tensors}
+        devices = {t.device for _, t in tensors}
+        kinds = {"cpu"} | {d.type for d in devices}
         self.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
                          for k in sorted(kinds) if torch.amp.is_autocast_available(k)]
         self.cpu_rng = torch.get_rng_state()
-        cuda = {t.device for _, t in tensors if t.device.type == "cuda"}
+        cuda = {d for d in devices if d.type == "cuda"}
         if torch.cuda.is_initialized():
             cuda.add(torch.device("cuda", torch.cuda.current_device()))
         self.gpu_rng = [(d, torch.cuda.get_rng_state(d)) for d in cuda]
@@ -94,11 +108,16 @@ class Frame(BlockCall):
         self.hooks: Optional[saved_tensors_hooks] = saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> _Handle:
-        index = len(self.meta)
+        meta = self.meta
+        index = len(meta)
         alias = t.detach()
-        self.meta.append([alias, t._version, t.shape, t.dtype])
+        meta.append([alias, t._version, t.shape, t.dtype])
         self.saved[index] = alias
-        if _is_parameter(t):
+        base = t._base
+        if base is None:
+            base = t
+        if base.requires_grad and base.is_leaf:
+            # A trainable leaf or a view of one: alive anyway, so kept rather than recomputed.
             self.params.add(index)
         else:
             storage = t.untyped_storage()
@@ -146,10 +165,12 @@ class Frame(BlockCall):
         if moved:
             self.keep()
             return True
+        params, saved, dropped = self.params, self.saved, []
         for index, meta in enumerate(self.meta):
-            if index not in self.params:
-                self.saved.pop(index)
-                meta[0] = counter_only(meta[0])
+            if index not in params:
+                del saved[index]
+                dropped.append(meta[0])
+        counters_only(dropped)          # (the aliases in ``meta`` become counters in place)
         self.dropped = True
         return False
 
@@ -246,12 +267,6 @@ def running_norms(region) -> list:
             and m.track_running_stats]
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A trainable leaf or a view of one: alive anyway, so kept rather than recomputed."""
-    base = t if t._base is None else t._base
-    return base.requires_grad and base.is_leaf
-
-
 class _Stop(Exception):
     """Every tensor the region dropped is back: the rest of its rerun is skipped (Rule 4)."""
 
@@ -295,6 +310,8 @@ def rerun(frame: Frame) -> None:
               for i, (tensor, a, _) in enumerate(frame.leaves)]
     args, kwargs = tree_unflatten(leaves, frame.spec)
     with contextlib.ExitStack() as stack:
+        RERUNS.depth += 1
+        stack.callback(setattr, RERUNS, "depth", RERUNS.depth - 1)
         region.state.restore_modes(stack, frame.modes)
         # Rule 7: what it reads besides its arguments is as forward saw it, or nothing runs.
         moved = region.state.moved(frame.versions, region.state.versions())
@@ -333,3 +350,8 @@ def rerun(frame: Frame) -> None:
                 region.modules[0](*args, **kwargs)
         except _Stop:
             pass
+        finally:
+            # What the rerun made may outlive it in an argument the frame holds (transformers'
+            # DynamicCache): their graph, never run backward, holds these hooks, which must not
+            # hold the frame (a cycle through autograd's graph, which no collector sees).
+            collect.frame = None

@@ -119,7 +119,7 @@ from ..say import say_once
 from ..units import format_bytes
 from .account import BlockAccount
 from .finder import BlockFinder, Region, blocks_line
-from .frames import Frame, rerun
+from .frames import RERUNS, Frame, rerun
 from .plan import StepFigures, checked, choose_regions, over_bound, timed_order
 from .reruns import RerunCheck
 
@@ -193,7 +193,7 @@ class Regions:
             # kwargs: for a region's module only, which names this hook in its
             # ``_forward_pre_hooks_with_kwargs`` (a global pre-hook has no with_kwargs of its own).
             regions = None if torch.compiler.is_compiling() else me()
-            if regions is None:
+            if regions is None or RERUNS.depth:
                 return None
             regions.account.pre(module)         # before a frame takes the block's inputs
             return None if regions.idle else regions._pre(module, args, kwargs)
@@ -201,7 +201,7 @@ class Regions:
         def post(module, args, *rest):
             # (kwargs, output) after a forward; (output,) where it raised (always_call).
             regions = None if torch.compiler.is_compiling() else me()
-            if regions is not None:
+            if regions is not None and not RERUNS.depth:
                 if not regions.idle:
                     regions._post(module, *rest)
                 regions.account.post(module)

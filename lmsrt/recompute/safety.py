@@ -118,6 +118,9 @@ class BlockState:
     def named(self) -> List[Tuple[str, nn.Module]]:
         return [(name, m) for name, ref in self._named if (m := ref()) is not None]
 
+    def _alive(self) -> List[nn.Module]:
+        return [m for _, ref in self._named if (m := ref()) is not None]
+
     def refusal(self) -> str:
         """Why the region can never be recomputed (checked once), or ""."""
         for name, m in self.named:
@@ -141,32 +144,40 @@ class BlockState:
                 else "")
 
     def _tensors(self):
-        for name, m in self.named:
-            norm_stats = (isinstance(m, nn.modules.batchnorm._NormBase) and m.training
-                          and m.track_running_stats)
-            for kind, table in (("parameter", m._parameters), ("buffer", m._buffers)):
-                for key, t in table.items():
+        """(kind, module name, key, tensor) of its parameters and buffers, in order (batch
+        norm's running statistics in training mode apart: the rerun puts them back). Read three
+        times a call of a recomputed region (``versions``): names are joined only when said."""
+        for name, ref in self._named:
+            m = ref()
+            if m is None:
+                continue
+            for key, t in m._parameters.items():
+                if t is not None:
+                    yield "parameter", name, key, t
+            if m._buffers:
+                norm_stats = (isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+                              and m.track_running_stats)
+                for key, t in m._buffers.items():
                     if t is not None and not (norm_stats and key in _NORM_STATS):
-                        yield kind, f"{name}.{key}" if name else key, t
+                        yield "buffer", name, key, t
 
     def versions(self) -> list:
-        """The version counters of its parameters and buffers (batch norm's running
-        statistics in training mode apart: the rerun puts them back)."""
-        return [t._version for _, _, t in self._tensors()]
+        """The version counters of its parameters and buffers (``_tensors``)."""
+        return [t._version for _, _, _, t in self._tensors()]
 
     def moved(self, before: list, now: list) -> str:
         """The first parameter or buffer whose version is not in ``now`` what it was in
         ``before`` (``versions()`` both), said as "buffer 'u'", or ""."""
         if now == before:
             return ""
-        for (kind, name, _), was, is_ in zip(self._tensors(), before, now):
+        for (kind, name, key, _), was, is_ in zip(self._tensors(), before, now):
             if was != is_:
-                return f"{kind} '{name}'"
+                return f"{kind} '{name}.{key}'" if name else f"{kind} '{key}'"
         return "parameters and buffers"
 
     def ids(self) -> set:
         """ids of its parameters (what ``p.data`` and optimizer steps name)."""
-        return {id(t) for kind, _, t in self._tensors() if kind == "parameter"}
+        return {id(t) for kind, _, _, t in self._tensors() if kind == "parameter"}
 
     def generators(self):
         """Python's and numpy's global generator states on a region's first calls, else None."""
@@ -186,11 +197,11 @@ class BlockState:
                 "again" if before[1] != after[1] else "")
 
     def modes(self) -> list:
-        return [m.training for _, m in self.named]
+        return [m.training for m in self._alive()]
 
     def restore_modes(self, stack: contextlib.ExitStack, modes: list) -> None:
         """Each module's train/eval flag as in forward, until ``stack`` closes."""
-        for (_, m), training in zip(self.named, modes):
+        for m, training in zip(self._alive(), modes):
             if m.training != training:
                 stack.callback(setattr, m, "training", m.training)
                 m.training = training
