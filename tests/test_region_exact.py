@@ -222,6 +222,60 @@ def test_transformers_decoder_layers_are_recomputed_exactly(make):
     assert lms.stats()["total"]["recomputed_bytes"] > 0
 
 
+class _KeyCache:
+    """Appends each layer's keys at its call, as transformers' DynamicCache does."""
+
+    def __init__(self):
+        self.keys = {}
+
+    def update(self, i, k):
+        self.keys[i] = k if i not in self.keys else torch.cat([self.keys[i], k])
+        return self.keys[i]
+
+
+class CachedLayer(nn.Module):
+    def __init__(self, i, d=32):
+        super().__init__()
+        self.i, self.fc = i, nn.Linear(d, d)
+
+    def forward(self, x, cache):
+        k = cache.update(self.i, self.fc(x))     # as many keys as calls of this layer so far
+        return x + torch.tanh(x @ k.t()) @ k / k.shape[0]
+
+
+class CachedStack(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(CachedLayer(i) for i in range(n))
+
+    def forward(self, x):
+        self.cache = _KeyCache()
+        for b in self.blocks:
+            x = b(x, cache=self.cache)
+        return x
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+def test_an_argument_its_forward_changes_is_as_forward_found_it_in_the_rerun(kind):
+    """A rerun in backward got the caller's cache after forward had appended to it: it ran
+    with twice the keys (here its saves had other shapes and backward raised; transformers'
+    Llama, whose layers are called with a DynamicCache, was left with the cache twice its
+    length). Now it runs from a copy as forward found it, and the caller's cache is the run
+    without lmsrt's."""
+    made = []
+
+    def make():
+        made.append(CachedStack())
+        return made[-1]
+
+    x = torch.randn(8, 32)
+    lms = _exact(kind, make, x, steps=3)
+    assert _recomputed(lms) > 0 and _regions(lms)["refused"] == {}, _regions(lms)
+    plain, under = made
+    assert [k.shape[0] for k in under.cache.keys.values()] == [8, 8, 8]
+    assert all(torch.equal(plain.cache.keys[i], under.cache.keys[i]) for i in range(3))
+
+
 # -- a kept frame's tensors go to the engine (issue 47, kwargs item) ----------------------------
 
 class InPlace(nn.Module):

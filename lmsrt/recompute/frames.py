@@ -24,7 +24,7 @@ from ..engine.records import counter_only, counters_only, modified_error
 from ..hook_stack import remove_own_hooks
 from ..options import spelled
 from .finder import BlockCall
-from .safety import ambient, generator_states, restore_ambient
+from .safety import ambient, as_called, generator_states, restore_ambient
 
 __all__ = ["Frame", "RERUNS", "rerun", "running_norms"]
 
@@ -69,9 +69,10 @@ class Frame(BlockCall):
         self.outer_pack, self.outer_unpack = outer
         leaves, self.spec = tree_flatten((args, kwargs))
         tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        # Tensors go through the engine's hooks (kept or swapped), the rest as they are.
+        # Tensors go through the engine's hooks (kept or swapped), the rest as they are now
+        # (Rule 3: an object forward changes, transformers' DynamicCache, copied).
         self.leaves = [(True, outer[0](t), t.requires_grad) if isinstance(t, torch.Tensor)
-                       else (False, t, False) for t in leaves]
+                       else (False, as_called(t), False) for t in leaves]
         self.inputs = [(i, t, t._version) for i, t in tensors]   # until the frame settles
         self.input_ptrs = {t.untyped_storage().data_ptr(): i for i, t in tensors}
         self.unsaved = set(self.input_ptrs.values())    # inputs its ops did not save
@@ -306,7 +307,7 @@ def rerun(frame: Frame) -> None:
     """Run ``frame``'s region again, collecting what its ops save (NOTE [ Recomputed regions ],
     Rules 4 and 6, in regions.py)."""
     region = frame.region
-    leaves = [frame.input_of_rerun(i) if tensor else a
+    leaves = [frame.input_of_rerun(i) if tensor else as_called(a)     # (Rule 3)
               for i, (tensor, a, _) in enumerate(frame.leaves)]
     args, kwargs = tree_unflatten(leaves, frame.spec)
     with contextlib.ExitStack() as stack:

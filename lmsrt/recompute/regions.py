@@ -24,11 +24,16 @@ NOTE [ Recomputed regions ]
     transform, or another region, nothing changes.
   Rule 3 (a frame never outlives its forward; ``_close``). Every tensor in its arguments, nested
     and keyword ones included (pytree), goes to the engine at entry; its ops' saved tensors are
-    held while it runs and dropped when it returns. It closes when its last module returns, when
-    any module in it raises, when a walk leaves a stage early (a module outside it is called or
-    returns), and at the ``with`` block's exit or the next step; each close takes exactly its own
-    hooks off the stack. A frame that raised or was left keeps what it saved, as does one that
-    changed an input in place (Rule 6): kept tensors go to the engine, which keeps or swaps them.
+    held while it runs and dropped when it returns. Its other arguments are copied as they are
+    at its call, containers and plain objects only, sharing their tensors (``as_called``), and
+    its rerun gets a copy of that: an object forward changes is found as forward found it, and
+    the caller's is left alone (transformers' DynamicCache, which each layer's attention appends
+    to, was twice its length after a backward that reran its layers). It closes when its last
+    module returns, when any module in it raises, when a walk leaves a stage early (a module
+    outside it is called or returns), and at the ``with`` block's exit or the next step; each
+    close takes exactly its own hooks off the stack. A frame that raised or was left keeps what
+    it saved, as does one that changed an input in place (Rule 6): kept tensors go to the
+    engine, which keeps or swaps them.
     While a frame is open the engine's rebuild recorder sleeps (rebuilds.py, ``sleep``): what the
     region's ops save is recomputed, not rebuilt, and a recorder on the mode stack runs every op
     through Python (GPT-2 medium at an 18 GiB cap, 20 of 24 blocks recomputed: ~0.2 s a step

@@ -8,7 +8,8 @@ global ones other than lmsrt's; the versions of its parameters and buffers (batc
 statistics in training mode apart: the rerun puts them back); Python's and numpy's global
 generators (on a region's first calls only: reading them costs ~10 us). Restored in the rerun:
 the backend flags, ``sdpa_kernel``'s choice, deterministic mode, default dtype and autocast's
-cache (``ambient``), each module's train/eval flag (``BlockState.modes``).
+cache (``ambient``), each module's train/eval flag (``BlockState.modes``), and the objects among
+its arguments as they were at its call (``as_called``).
 
 Not seen: a ``torch.Generator`` the block reaches other than as a module attribute, and
 writes that bump no version counter (``.data`` inside forward). Such blocks are not refused.
@@ -21,16 +22,19 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
+import enum
 import random
 import sys
 import weakref
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["BlockState", "ambient", "restore_ambient", "generator_states", "RANDOM_CHECKS"]
+__all__ = ["BlockState", "ambient", "as_called", "restore_ambient", "generator_states",
+           "RANDOM_CHECKS"]
 
 RANDOM_CHECKS = 4      # a region's calls whose Python/numpy generator use is checked
 _NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -89,6 +93,49 @@ def generator_states() -> tuple:
     """Python's global generator state, and numpy's position where numpy is imported."""
     np = sys.modules.get("numpy")
     return random.getstate(), (np.random.get_state()[2] if np is not None else None)
+
+
+# Arguments copied by ``as_called`` no deeper than this (transformers' DynamicCache: the cache,
+# its list of layers, each layer, its tensors).
+_DEPTH = 6
+_ATOMS = (int, float, complex, str, bytes, bool, type(None), type, slice, range, enum.Enum,
+          torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
+
+
+def as_called(obj, memo: Optional[dict] = None, depth: int = 0):
+    """``obj`` as a region's forward was called with it, for its rerun (NOTE [ Recomputed
+    regions ], Rule 3): lists, tuples, dicts and plain objects (those with a ``__dict__``) are
+    copied, tensors, modules, callables and whatever cannot be copied are shared. An argument
+    that forward changes (transformers' DynamicCache, which each layer's attention appends its
+    keys to) stays, in the copy, as forward found it; the rerun changes a copy of the copy."""
+    if (isinstance(obj, (torch.Tensor, nn.Module) + _ATOMS) or callable(obj)
+            or depth > _DEPTH):
+        return obj
+    memo = {} if memo is None else memo
+    seen = memo.get(id(obj))
+    if seen is not None:
+        return seen
+    kind = type(obj)
+    if kind in (list, tuple, dict):
+        memo[id(obj)] = obj             # (a cycle through it: shared)
+        if kind is dict:
+            out = {k: as_called(v, memo, depth + 1) for k, v in obj.items()}
+        else:
+            out = kind(as_called(v, memo, depth + 1) for v in obj)
+    else:
+        state = getattr(obj, "__dict__", None)
+        if type(state) is not dict:
+            return obj
+        try:
+            out = copy.copy(obj)
+        except Exception:  # noqa: BLE001 - an object that will not be copied is shared
+            return obj
+        if out is obj or type(getattr(out, "__dict__", None)) is not dict:
+            return obj
+        memo[id(obj)] = out
+        out.__dict__.update((k, as_called(v, memo, depth + 1)) for k, v in state.items())
+    memo[id(obj)] = out
+    return out
 
 
 def _lmsrt_hook(hook) -> bool:
