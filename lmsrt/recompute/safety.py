@@ -98,8 +98,9 @@ def generator_states() -> tuple:
 # Arguments copied by ``as_called`` no deeper than this (transformers' DynamicCache: the cache,
 # its list of layers, each layer, its tensors).
 _DEPTH = 6
-_ATOMS = (int, float, complex, str, bytes, bool, type(None), type, slice, range, enum.Enum,
-          torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)
+_SHARED = (torch.Tensor, nn.Module, int, float, complex, str, bytes, bool, type(None), type,
+           slice, range, enum.Enum, torch.dtype, torch.device, torch.layout,
+           torch.memory_format, torch.Size)
 
 
 def as_called(obj, memo: Optional[dict] = None, depth: int = 0):
@@ -108,8 +109,7 @@ def as_called(obj, memo: Optional[dict] = None, depth: int = 0):
     copied, tensors, modules, callables and whatever cannot be copied are shared. An argument
     that forward changes (transformers' DynamicCache, which each layer's attention appends its
     keys to) stays, in the copy, as forward found it; the rerun changes a copy of the copy."""
-    if (isinstance(obj, (torch.Tensor, nn.Module) + _ATOMS) or callable(obj)
-            or depth > _DEPTH):
+    if isinstance(obj, _SHARED) or callable(obj) or depth > _DEPTH:
         return obj
     memo = {} if memo is None else memo
     seen = memo.get(id(obj))
@@ -132,7 +132,7 @@ def as_called(obj, memo: Optional[dict] = None, depth: int = 0):
             return obj
         if out is obj or type(getattr(out, "__dict__", None)) is not dict:
             return obj
-        memo[id(obj)] = out
+        memo[id(obj)] = out             # (before its attributes: a cycle back to it)
         out.__dict__.update((k, as_called(v, memo, depth + 1)) for k, v in state.items())
     memo[id(obj)] = out
     return out
