@@ -274,6 +274,7 @@ def test_plan_recomputes_the_last_regions_where_swaps_do_not_hide():
 
 def _choose_last_two(monkeypatch) -> None:
     """The plan's choice taken as given: the last two regions of four."""
+    import lmsrt.recompute.plan
     import lmsrt.recompute.regions
     monkeypatch.setattr(lmsrt.recompute.regions, "choose_regions", lambda regions, figures: [2, 3])
 
@@ -312,6 +313,7 @@ def _replanned(monkeypatch, at_step_four, stalled_model=None) -> tuple:
     ``at_step_four(regions)`` changes the plan's figures as step 4 begins, and
     ``stalled_model(lms, model)`` the model. Returns the LMS and the figures the plan was made
     from each time."""
+    import lmsrt.recompute.plan
     import lmsrt.recompute.regions
     seen, choices = [], iter([[2, 3], [1, 2, 3]])
 
@@ -383,9 +385,10 @@ def test_forward_waits_for_copies_out_are_taken_off_a_regions_time(monkeypatch):
     import itertools
     import types
 
+    import lmsrt.recompute.plan
     import lmsrt.recompute.regions
     ticks = itertools.count()
-    monkeypatch.setattr(lmsrt.recompute.regions, "time", types.SimpleNamespace(
+    monkeypatch.setattr(lmsrt.recompute.plan, "time", types.SimpleNamespace(
         perf_counter=lambda: float(next(ticks))))
 
     class Waited:
@@ -422,6 +425,7 @@ def test_a_region_counts_at_the_faster_of_its_forward_and_its_rerun(monkeypatch)
     fake clock and reruns of 0.25 s, every region counts 0.25 s."""
     import types
 
+    import lmsrt.recompute.plan
     import lmsrt.recompute.regions
     clock = types.SimpleNamespace(now=0.0, step=1.0)
 
@@ -430,7 +434,7 @@ def test_a_region_counts_at_the_faster_of_its_forward_and_its_rerun(monkeypatch)
         clock.step = 1.0
         return clock.now
 
-    monkeypatch.setattr(lmsrt.recompute.regions, "time",
+    monkeypatch.setattr(lmsrt.recompute.plan, "time",
                         types.SimpleNamespace(perf_counter=perf_counter))
     real = lmsrt.recompute.regions.rerun
 
@@ -544,6 +548,60 @@ def test_what_lmsrt_held_at_step_ones_peak_counts_once():
     step = StepStats(step=1, gpu_peak_bytes=20, out_bytes=400)
     assert over_bound(step, 450, (prof.own_peak(), 0)) == (400, 50)
     assert over_bound(step, 450, (prof.own_peak(), 30)) == (400, 80)
+
+
+def test_a_rerun_holds_what_its_call_saved_from_its_first_unpack_to_each_ones_last():
+    """NOTE [ Region plan ], 2: a call that saved storages 1 and 2 (of 0-3), unpacked first at
+    backward point 1 and last at points 2 and 3: recomputed, from the interval after point 1
+    both are held, storage 1 until the interval after point 2; the use there is the step's
+    own (its ``bwd_peak``) plus them. Storages never unpacked, and storages alive anyway,
+    hold nothing."""
+    from lmsrt.policy.profile import Profile
+    from lmsrt.recompute.plan import rerun_peak
+    prof = Profile()
+    for size in (10, 100, 1000, 5):
+        prof.record(False, used=0, peak=0, lmsrt_before=0, lmsrt_now=0, nbytes=size)
+    for own in (7, 3, 50, 2, 1, 0):
+        prof.record(True, used=own, peak=own, lmsrt_before=0, lmsrt_now=0)
+    for i, j in ((3, 0), (1, 1), (2, 1), (1, 2), (2, 3), (0, 4)):
+        prof.used_at(i, j)
+    # points 2..4: 50 + 1100 at 2, 2 + 1100 at 3 (storage 1 read last at 2), 1 + 1000 at 4
+    assert rerun_peak(prof, 1, 3) == 1150
+    assert rerun_peak(prof, 2, 3) == 1050               # 50 + 1000 at point 2
+    prof.live = {2}
+    assert rerun_peak(prof, 1, 3) == 150
+    prof.first_use[1] = prof.last_use[1] = 1 << 62      # never unpacked
+    assert rerun_peak(prof, 1, 3) == 0
+
+
+def test_a_region_whose_rerun_would_not_fit_is_not_recomputed():
+    """NOTE [ Region plan ], 2: a rerun holds all its call saved at once, where swapping brings
+    each storage back alone; a region whose rerun, in the survey step, would have passed the
+    bound is not recomputed (on an H200, a conv net at 85% of its peak ran out of memory in
+    backward in the first step that reran its 768 MiB stages). At a 4 MiB simulated GPU the
+    conv net's stages that save 4-5 MiB are left to the swaps, and said; the one that fits is
+    recomputed; at 16 MiB they all fit. Each trains exactly."""
+    import copy
+
+    from models import convnet, lmsrt_warnings
+    torch.manual_seed(0)
+    model, x = convnet(c=8), torch.randn(4, 3, 128, 128)
+    plain = _train(copy.deepcopy(model), x, 4)
+    unfit = {}
+    for cap in (4 << 20, 16 << 20):
+        lms = lmsrt.LMS(lms=1, lms_frac="auto", device=SimulatedDevice(capacity=cap))
+        lms._regions.bandwidth, lms._regions.worth = 1.0, 0
+        with lmsrt_warnings() as said:
+            assert_same_steps(plain, _train(copy.deepcopy(model), x, 4, lms))
+        regions = lms.stats()["regions"]
+        unfit[cap] = regions["unfit"]
+        rerun = {name for name, _, _, chosen in regions["each"] if chosen}
+        assert rerun and not rerun & set(unfit[cap]), regions
+        if unfit[cap]:
+            assert any("too large to rerun" in line for line in said), said
+        lms.close()
+    assert unfit[4 << 20] and not unfit[16 << 20], unfit
+    assert all("over the bound" in why for why in unfit[4 << 20].values())
 
 
 def test_the_rebuild_recorder_sleeps_inside_a_recomputed_region(monkeypatch):

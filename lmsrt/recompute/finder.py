@@ -26,8 +26,8 @@ _LEARNING = 2            # a region's first calls whose inputs are watched after
 class Region:
     """A repeated block (or a stage of a Sequential), its measurements and the plan's choice."""
 
-    __slots__ = ("name", "_modules", "chain", "usable", "why", "nbytes", "seconds", "chosen",
-                 "state", "param_ids", "copies", "learning", "__weakref__")
+    __slots__ = ("name", "_modules", "chain", "usable", "why", "unfit", "nbytes", "seconds",
+                 "chosen", "state", "param_ids", "copies", "learning", "__weakref__")
 
     def __init__(self, name: str, modules: tuple, chain: bool):
         # Weakly: the finder maps a region's first module to it in a WeakKeyDictionary, whose
@@ -35,6 +35,8 @@ class Region:
         self._modules = tuple(weakref.ref(m) for m in modules)
         self.name, self.chain = name, chain
         self.usable, self.why = True, ""
+        self.unfit = ""             # why its rerun would not fit under the bound (NOTE [ Region
+                                    # plan ], 2): never recomputed, though safe to
         self.nbytes, self.seconds = 0, 0.0
         self.chosen = False
         self.state: Optional[BlockState] = None    # what it reads besides its arguments
@@ -240,5 +242,7 @@ def blocks_line(found: List[Region]) -> str:
     """What is said once: "lmsrt: 24 repeated blocks (model.layers[0..23], LlamaDecoderLayer);
     refused: ..." (NOTE [ Recomputed regions ], Rule 6)."""
     refused = [f"{r.name}: {r.why}" for r in found if not r.usable]
+    unfit = [f"{r.name}: {r.unfit}" for r in found if r.usable and r.unfit]
     return (f"lmsrt: {len(found)} repeated blocks ({_spans(found)})"
-            + (f"; refused: {'; '.join(refused)}" if refused else "; none refused"))
+            + (f"; refused: {'; '.join(refused)}" if refused else "; none refused")
+            + (f"; too large to rerun: {'; '.join(unfit)}" if unfit else ""))

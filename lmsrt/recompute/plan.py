@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Sequence, Tuple
+import time
+import weakref
+from typing import List, Optional, Sequence, Tuple
+
+import torch
 
 from ..units import format_bytes
 
-__all__ = ["StepFigures", "calibrated", "checked", "choose_regions", "memory_budget",
-           "over_bound", "timed_order", "LEAST_BUDGET"]
+__all__ = ["StepFigures", "calibrated", "checked", "choose_regions", "end_region", "end_span",
+           "mark_span", "memory_budget", "over_bound", "rerun_peak", "SurveyCalls", "timed_order",
+           "LEAST_BUDGET"]
 
 LEAST_BUDGET = 0.1      # memory_budget's floor: below it the partitioner keeps little more than
                         # the blocks' inputs, and what must still leave is moved
@@ -152,6 +157,71 @@ def over_bound(step, bound: int, carried: Tuple[int, int] = (0, 0)) -> Tuple[int
     return saved, max(0, peak + saved - bound)
 
 
+def rerun_peak(prof, start: int, end: int) -> int:
+    """NOTE [ Region plan ], 2: the model's own use (from its step's base) that backward would
+    have reached in the step ``prof`` recorded (a ``Profile``: every eligible storage swapped,
+    nothing recomputed) had the call that saved storages ``start`` to ``end - 1`` been
+    recomputed: from the first unpack of one of them its rerun holds them all, each until its
+    last unpack, where swapping brought each back alone. 0 where none was unpacked.
+
+    Example::
+
+        rerun_peak(rec, call.start, call.end) + base > bound     # its rerun would not fit
+    """
+    points = len(prof.bwd_peak)
+    uses = [(prof.first_use[i], prof.last_use[i], prof.sizes[i])
+            for i in range(start, min(end, len(prof.sizes)))
+            if prof.first_use[i] < points and i not in prof.live]      # (never read: NEVER)
+    if not uses or not points:
+        return 0
+    # Point j's peak is read as unpack j begins: the rerun (in unpack ``first``) lands in the
+    # interval that ends at the next point, and a storage's last reader runs in the one after
+    # its last unpack.
+    first = min(f for f, _, _ in uses)
+    last = max(u for _, u, _ in uses) + 1
+    peak = 0
+    for j in range(min(first + 1, points - 1), min(last, points - 1) + 1):
+        held = sum(size for _, u, size in uses if u >= j - 1)
+        peak = max(peak, prof.bwd_peak[j] + held)
+    return peak
+
+
+class SurveyCalls:
+    """The survey step's calls of region modules (a region's first, and every child of a mixed
+    Sequential, whose stages are not known yet), each [its first save point, its end] (NOTE
+    [ Region plan ], 2); a region's calls run from its first module's to its last module's."""
+
+    def __init__(self) -> None:
+        self.calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def enter(self, module, point: int) -> None:
+        self.calls.setdefault(module, []).append([point, None])
+
+    def leave(self, module, point: int) -> None:
+        calls = self.calls.get(module)
+        if calls and calls[-1][1] is None:
+            calls[-1][1] = point
+
+    def mark_unfit(self, regions, engine) -> None:
+        """Say in ``unfit`` of each of ``regions`` whose rerun would pass ``engine``'s bound
+        (``rerun_peak``) in the step just ended, what it would hold. Nothing where that step
+        recorded no profile (a policy other than auto's)."""
+        prof, base = engine.state.rec, engine.state.base
+        if prof is None or base is None:
+            return
+        base += max(0, engine.carried_over()[1])     # (an optimizer's state made by step 1)
+        for region in regions:
+            modules = region.modules
+            if any(m is None for m in modules):
+                continue
+            spans = zip(self.calls.get(modules[0], ()), self.calls.get(modules[-1], ()))
+            peak = max((rerun_peak(prof, a[0], b[1]) for a, b in spans if b[1] is not None),
+                       default=0)
+            if base + peak > engine.mark:
+                region.unfit = (f"its rerun would hold {format_bytes(base + peak)} in backward, "
+                                f"over the bound ({format_bytes(engine.mark)})")
+
+
 def memory_budget(step: StepFigures, blocks: int) -> float:
     """The partitioner's recompute budget for compiled blocks that save ``blocks`` bytes a step
     at torch's default (``torch._functorch.config.activation_memory_budget``: the share of those
@@ -176,6 +246,36 @@ def memory_budget(step: StepFigures, blocks: int) -> float:
     freed = (step.excess - share * step.saved - hidden) / (1.0 - share)
     budget = math.floor((1.0 - freed / blocks) / _BUDGET_STEP + 1e-9) * _BUDGET_STEP
     return round(min(1.0, max(LEAST_BUDGET, budget)), 2)
+
+
+def mark_span(simulated: bool) -> list:
+    """[start, end] of a timed span, its start taken now (``end_span`` takes its end): CUDA events;
+    on the simulated device, wall times."""
+    if simulated:
+        return [time.perf_counter(), None]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return [start, end]
+
+
+def end_region(span: list, simulated: bool, timed_waits: Optional[list]) -> None:
+    """A timed region's span ends: its end taken now, and the forward waits for copies out
+    timed inside it kept, to be taken off its time (they are the learning step's; the engine's
+    ``timed_waits`` now)."""
+    if simulated:
+        span[2] = time.perf_counter()
+    else:
+        span[2].record()
+    waits, first = span[3]
+    span[3] = ([w for w in waits[first:] if w[0] == "swapout_wait_ms"]
+               if waits is not None and waits is timed_waits else [])
+
+
+def end_span(span: list, simulated: bool) -> None:
+    if simulated:
+        span[-1] = time.perf_counter()
+    else:
+        span[-1].record()
 
 
 def timed_order(timings: list, reruns: list, simulated: bool) -> list:

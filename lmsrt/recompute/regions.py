@@ -77,10 +77,15 @@ NOTE [ Region plan ]
      peak is the model's own, what lmsrt held at each point (sources in flight, restored
      copies) left out: what it saved counts them. The excess is that over the engine's bound.
   2. Where the excess is under 1/16 of the limit (or the link is free, the simulated device),
-     nothing is recomputed and the hooks go idle. Otherwise step 2 recomputes every region and
-     times its forward (CUDA events; wall time on the simulated device): in step 1 the swaps
-     slow forward down, and a region that swaps nothing runs at its own speed. The engine learns
-     again (``SwapEngine.relearn``): what the model saves has changed.
+     nothing is recomputed and the hooks go idle. A region whose rerun would pass the bound is
+     never recomputed (``SurveyCalls``; said): a rerun holds all its call saved from its first
+     unpack, each storage to its last, where swapping brought each back alone, and step 1
+     (every eligible storage swapped) says what use is there (a conv net at 85% of its peak
+     ran out of memory in backward where it reran its 768 MiB stages, on an H200). Otherwise
+     step 2 recomputes every region that fits and times its forward (CUDA events; wall time on
+     the simulated device): in step 1 the swaps slow forward down, and a region that swaps
+     nothing runs at its own speed. The engine learns again (``SwapEngine.relearn``): what the
+     model saves has changed.
   3. Step 3 plans (``choose_regions``) with one probe of the link's bandwidth, forward's time
      as its regions' and backward's as twice that. The step that times them learns: what its
      forward waited for copies out inside a region (``swapout_wait_ms``' events) is taken off
@@ -110,7 +115,6 @@ import collections
 import dataclasses
 import functools
 import threading
-import time
 import weakref
 from typing import List, Optional
 
@@ -122,10 +126,11 @@ from ..device import copy_bandwidth
 from ..hook_stack import innermost_is
 from ..say import say_once
 from ..units import format_bytes
+from . import plan as spans
 from .account import BlockAccount
 from .finder import BlockFinder, Region, blocks_line
 from .frames import RERUNS, Frame, rerun
-from .plan import StepFigures, checked, choose_regions, over_bound, timed_order
+from .plan import StepFigures, SurveyCalls, checked, choose_regions, over_bound, timed_order
 from .reruns import RerunCheck
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
@@ -189,33 +194,10 @@ class Regions:
         self._kept_calls = 0            # this step's region calls that kept their tensors
         self._rerun_check = RerunCheck(engine.device)
         self._span: list = []           # forward's first region start and last region end
+        self._calls = SurveyCalls()     # step 1's calls of region modules (Region plan, 2)
         _flush_dead()                   # hooks of Regions collected before this one
-        me = weakref.ref(self)
-
-        # Under torch.compile (which traces module hooks) nothing is done: saved-tensor hooks
-        # see a compiled graph's tensors all at once, after it (DESIGN.md, "Compiled graphs").
-        def pre(module, args, kwargs=None):
-            # kwargs: for a region's module only, which names this hook in its
-            # ``_forward_pre_hooks_with_kwargs`` (a global pre-hook has no with_kwargs of its own).
-            regions = None if torch.compiler.is_compiling() else me()
-            if regions is None or RERUNS.depth:
-                return None
-            regions.account.pre(module)         # before a frame takes the block's inputs
-            return None if regions.idle else regions._pre(module, args, kwargs)
-
-        def post(module, args, *rest):
-            # (kwargs, output) after a forward; (output,) where it raised (always_call).
-            regions = None if torch.compiler.is_compiling() else me()
-            if regions is not None and not RERUNS.depth:
-                if not regions.idle:
-                    regions._post(module, *rest)
-                regions.account.post(module)
-            return None
-
-        handles = [nn.modules.module.register_module_forward_pre_hook(pre)]
+        handles = _module_hooks(weakref.ref(self))
         self.finder.kwargs_of = handles[0].id
-        handles.append(nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
-                                                                       always_call=True))
         # Collected, it only marks them: torch.compile builds guards over the global hook dicts,
         # and a collection inside a compilation that removed one would break it (_flush_dead).
         self._finalizer = weakref.finalize(self, _dead_hooks.extend, handles)
@@ -249,13 +231,17 @@ class Regions:
         if module not in self.finder.scanned:
             self.finder.scan(module)
         region = self._of.get(module)
-        if region is None or self.phase == "survey":
+        if self.phase == "survey":          # its calls' spans of saves (NOTE [ Region plan ], 2)
+            if region is not None or module in self.finder.scanned_children:
+                self._calls.enter(module, self.engine.save_point())
+            return None
+        if region is None:
             return None
         pending = getattr(local, "pending", None)
         if pending is not None:             # the last region's inputs stood unchanged till here
             local.pending = None
             self._settle(pending)
-        if not (region.usable and (region.chosen or self._all)):
+        if not (region.usable and not region.unfit and (region.chosen or self._all)):
             return None
         why = region.state.hooks()
         if why:
@@ -266,7 +252,7 @@ class Regions:
         local.frame = frame
         if self.phase == "timing":
             waits = getattr(self.engine, "_timed_waits", None)
-            frame.span = [region, *_mark(self.simulated), (waits, len(waits or ()))]
+            frame.span = [region, *spans.mark_span(self.simulated), (waits, len(waits or ()))]
             self._timings.append(frame.span)
         frame.hooks.__enter__()
         if self._rebuilds is not None:
@@ -277,6 +263,7 @@ class Regions:
         if self.phase == "survey":
             if isinstance(output, torch.Tensor) and isinstance(kwargs, dict):
                 self.finder.note_output(module, output)
+                self._calls.leave(module, self.engine.save_point())
             return None
         frame = getattr(self._local, "frame", None)
         if frame is None:
@@ -301,7 +288,7 @@ class Regions:
         local = self._local
         local.frame = None
         if frame.span is not None:
-            _end_region(frame.span, self.simulated, getattr(self.engine, "_timed_waits", None))
+            spans.end_region(frame.span, self.simulated, getattr(self.engine, "_timed_waits", None))
         why = frame.close(keep_why)
         if self._rebuilds is not None:
             self._rebuilds.follow_noting()      # awake again where the engine notes (Rule 3)
@@ -382,14 +369,14 @@ class Regions:
         """Run ``frame``'s region again (``rerun``), its GPU time taken."""
         with self._lock:
             self._waiting.discard(frame)
-        timing = _mark(self.simulated)
+        timing = spans.mark_span(self.simulated)
         try:
             rerun(frame)
         except torch.OutOfMemoryError:
             if not self.engine.room_in_backward():
                 raise
             rerun(frame)            # the same inputs, RNG state and statistics (Rule 4)
-        _end(timing, self.simulated)
+        spans.end_span(timing, self.simulated)
         self._rerun_check.compare(frame, self.refuse)
         self._recomputes.append((frame.region, timing))
         if self.phase == "timing":
@@ -455,9 +442,20 @@ class Regions:
             self._done(f"{found} regions, none recomputed: {format_bytes(self._excess)} over the "
                        f"bound is left to the swaps")
             return
+        if not self._fit():
+            self._done(f"{found} regions, none recomputed: no rerun would fit under the bound")
+            return
         self.phase, self._all = "timing", True
         self.note = "step 2 recomputes every region to time its forward"
         self.engine.relearn()
+
+    def _fit(self) -> bool:
+        """NOTE [ Region plan ], 2: mark the regions whose rerun would pass the bound in the
+        survey step; whether any usable one is left."""
+        calls, self._calls = self._calls, SurveyCalls()
+        found = self._found()
+        calls.mark_unfit(found, self.engine)
+        return any(r.usable and not r.unfit for r in found)
 
     def _done(self, note: str) -> None:
         """Nothing to recompute: the hooks return at once. (They stay: removing a global hook
@@ -523,7 +521,7 @@ class Regions:
         """Once: the blocks found and those refused, with why (Rule 6)."""
         found = self._found()
         if (self.finds_only or not found or "blocks" in self._said
-                or (self.idle and all(r.usable for r in found))):
+                or (self.idle and all(r.usable and not r.unfit for r in found))):
             return                      # (nothing recomputed, nothing refused: nothing to say)
         say_once("blocks", blocks_line(found), given=self._said, stacklevel=5)
 
@@ -542,39 +540,37 @@ class Regions:
                     each=[(r.name, r.nbytes, round(r.seconds * 1e3, 3), r.chosen)
                           for r in self.order],
                     refused={r.name: r.why for r in self._found() if not r.usable},
+                    unfit={r.name: r.unfit for r in self._found() if r.usable and r.unfit},
                     note=self.note, recomputed=step.recomputed_regions,
                     dropped_bytes=step.recomputed_bytes, recompute_ms=step.recompute_ms,
                     kept_calls=self._kept_calls)
 
 
-def _mark(simulated: bool) -> list:
-    """[start, end] of a timed span, its start taken now (``_end`` takes its end): CUDA events;
-    on the simulated device, wall times."""
-    if simulated:
-        return [time.perf_counter(), None]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    return [start, end]
+def _module_hooks(me) -> list:
+    """The global module hooks of the ``Regions`` ``me()`` (held weakly), registered. Under
+    torch.compile (which traces module hooks) nothing is done: saved-tensor hooks see a
+    compiled graph's tensors all at once, after it (DESIGN.md, "Compiled graphs")."""
+    def pre(module, args, kwargs=None):
+        # kwargs: for a region's module only, which names this hook in its
+        # ``_forward_pre_hooks_with_kwargs`` (a global pre-hook has no with_kwargs of its own).
+        regions = None if torch.compiler.is_compiling() else me()
+        if regions is None or RERUNS.depth:
+            return None
+        regions.account.pre(module)         # before a frame takes the block's inputs
+        return None if regions.idle else regions._pre(module, args, kwargs)
 
+    def post(module, args, *rest):
+        # (kwargs, output) after a forward; (output,) where it raised (always_call).
+        regions = None if torch.compiler.is_compiling() else me()
+        if regions is not None and not RERUNS.depth:
+            if not regions.idle:
+                regions._post(module, *rest)
+            regions.account.post(module)
+        return None
 
-def _end_region(span: list, simulated: bool, timed_waits: Optional[list]) -> None:
-    """A timed region's span ends: its end taken now, and the forward waits for copies out
-    timed inside it kept, to be taken off its time (they are the learning step's; the engine's
-    ``timed_waits`` now)."""
-    if simulated:
-        span[2] = time.perf_counter()
-    else:
-        span[2].record()
-    waits, first = span[3]
-    span[3] = ([w for w in waits[first:] if w[0] == "swapout_wait_ms"]
-               if waits is not None and waits is timed_waits else [])
-
-
-def _end(span: list, simulated: bool) -> None:
-    if simulated:
-        span[-1] = time.perf_counter()
-    else:
-        span[-1].record()
+    return [nn.modules.module.register_module_forward_pre_hook(pre),
+            nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
+                                                           always_call=True)]
 
 
 def link_bandwidth(device) -> float:
