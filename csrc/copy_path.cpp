@@ -170,11 +170,20 @@ class Keeper {
 
   // Packs on this thread from forward point ``index`` on are decided here, against the plan's
   // ``sizes`` and the policy's swap ``levels`` (one each per point), ``live`` the points whose
-  // storage outlives backward anyway.
+  // storage outlives backward anyway. ``kept``: [(storage, version)] the engine kept in this
+  // forward before arming: saved again, each is the storage it kept, not another point (the
+  // first save of a Llama's hidden state, saved again by its norm after the hooks armed, took a
+  // point of its own here and every lean step of the Trainer left its plan there).
   void arm(std::vector<int64_t> sizes, std::vector<int64_t> levels, std::vector<int64_t> live,
-           int64_t index) {
+           int64_t index, py::list kept) {
     TORCH_CHECK(sizes.size() == levels.size(), "lmsrt keeper: sizes and levels differ in length");
     clear();
+    for (py::handle item : kept) {
+      py::tuple pair = py::reinterpret_borrow<py::tuple>(item);
+      const c10::Storage& storage = THPStorage_Unpack(pair[0].ptr());
+      by_ptr_.insert_or_assign(storage.data(),
+                               Entry{storage.getWeakStorageImpl(), pair[1].cast<int64_t>()});
+    }
     sizes_ = std::move(sizes);
     levels_ = std::move(levels);
     live_ = std::unordered_set<int64_t>(live.begin(), live.end());

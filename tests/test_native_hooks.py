@@ -46,8 +46,10 @@ def native(tmp_path_factory):
 class Net(torch.nn.Module):
     """Linear+Tanh layers (each saves its input, a weight and its output); from layer ``grow_at``
     on, while ``wide`` is set, the activations are twice as wide (a storage of another size in
-    the middle of a forward); ``transient`` allocates model memory of that many bytes on the
-    simulated device at layer ``transient_at``, held to the end of the step."""
+    the middle of a forward); with ``resave``, layer ``grow_at``'s input is multiplied by the
+    net's (which saves the step's first storage again); ``transient`` allocates model memory of
+    that many bytes on the simulated device at layer ``transient_at``, held to the end of the
+    step."""
 
     def __init__(self, device, d=64, layers=12):
         super().__init__()
@@ -57,11 +59,15 @@ class Net(torch.nn.Module):
         self.wide, self.grow_at = False, layers // 2
         self.transient, self.transient_at = 0, layers // 2
         self.held = None
+        self.resave = False          # multiply by the input (the step's first storage) there
 
     def forward(self, x):
+        x0 = x
         for i, layer in enumerate(self.layers):
             if self.wide and i == self.grow_at:
                 x = torch.cat([x, x])
+            if self.resave and i == self.grow_at:
+                x = x * x0
             if self.transient and i == self.transient_at:
                 self.held = self.device.empty(self.transient)
             x = torch.tanh(layer(x))
@@ -148,6 +154,30 @@ def test_a_step_that_keeps_everything_is_decided_in_cpp_with_the_same_counts(nat
     # The first storage of the step arms the C++ hooks; they decide the rest.
     assert len(calls) == 1, calls
     assert lms.stats()["last_step"]["kept_tensors"] >= 12
+
+
+def test_the_first_storage_saved_again_after_the_hooks_armed_is_kept_once(native):
+    """NOTE [ Steps that keep everything ]: the step's first storage is decided in Python, and
+    arms the C++ hooks; saved again after that (a Llama's hidden state, which its norm saves
+    twice), the C++ hooks know it as the storage kept, not as the next point: the step follows
+    its plan, with the Python hooks' counts, and stays in C++ (on an H200 every lean step of
+    transformers' Trainer left its plan at that storage)."""
+    def resave(i, net):
+        net.resave = True
+
+    runs = _side_by_side(native, steps=6, before_step=resave)
+    stats = [s for _, _, s in runs["native"][0]]
+    assert stats[-1]["mode"] == "plan" and stats[-1]["out_bytes"] == 0
+
+    lms, device = _lms(native)
+    net = Net(device)
+    net.resave = True
+    x = torch.randn(32, 64)
+    _run(net, lms, x, 5)
+    calls = _python_decisions(lms)
+    _run(net, lms, x, 1)
+    assert len(calls) == 1, calls
+    assert lms.stats()["last_step"]["mode"] == "plan"
 
 
 def test_a_storage_of_another_size_hands_the_step_to_python(native):

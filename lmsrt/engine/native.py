@@ -5,9 +5,10 @@ runs on the CPU's time, where the Python hooks cost about 11 us a tensor (docs/d
 nothing recorded, held, deferred or noted for rebuilding (``StepState.keeps_all``, set at its first
 save as ``policy.lean_step`` allows), takes a lean path in ``_decide``, and where the copy path is
 built its packs are decided in C++ (csrc/copy_path.cpp, ``Keeper``; ``native_hooks``): the first
-save of the step arms it (``_arm``) with the plan's sizes and the policy's swap levels per point,
-and from there it keeps each saved tensor as the Python path would (the same eligibility, the same
-counts) while the step's sizes follow the plan and GPU use stays under the level. Anything else goes
+save of the step arms it (``_arm``) with the plan's sizes, the policy's swap levels per point and
+the storages kept so far (saved again, each is the storage kept, not a new point), and from
+there it keeps each saved tensor as the Python path would (the same eligibility, the same counts)
+while the step's sizes follow the plan and GPU use stays under the level. Anything else goes
 to ``_take_over``, which first takes over what the C++ side counted (``_absorb``: forward points,
 the sizes for the plan, the storages kept, the step's counts; it disarms for the rest of the step)
 and then packs in Python, which swaps as the policy decides. The same happens when forward ends or
@@ -62,7 +63,10 @@ class NativeHandOver:
             return
         plan, policy = self.plan, self.policy
         sizes = plan.sequence
-        keeper.arm(sizes, policy.swap_levels(plan, len(sizes)), list(plan.live), self.state.index)
+        kept = [(storage, entry.version) for entry in self.state.by_ptr.values()
+                if type(entry) is Kept and (storage := entry.storage_ref()) is not None]
+        keeper.arm(sizes, policy.swap_levels(plan, len(sizes)), list(plan.live), self.state.index,
+                   kept)
         self._armed = True
 
     def _absorb(self, entries: bool) -> None:
