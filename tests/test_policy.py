@@ -895,6 +895,8 @@ def test_auto_fits_real_loops_on_a_gpu(loop, monkeypatch):
         print([{k: s[k] for k in ("bound_bytes", "headroom_bytes", "alloc_retries",
                                    "backward_retries", "prefetch_dropped", "recomputed_bytes",
                                    "recipe_bytes", "rebuild_checks")} for s in steps])
+        regions = lms.stats()["regions"]
+        print({k: regions[k] for k in ("note", "each", "unfit")})
     assert any(s["mode"] == "plan" for s in steps[1:]), notes
     assert sum(s["alloc_failures"] for s in steps) == 0, notes
     said = " ".join(s["policy_note"] for s in steps)
