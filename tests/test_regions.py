@@ -554,8 +554,8 @@ def test_a_rerun_holds_what_its_call_saved_from_its_first_unpack_to_each_ones_la
     """NOTE [ Region plan ], 2: a call that saved storages 1 and 2 (of 0-3), unpacked first at
     backward point 1 and last at points 2 and 3: recomputed, from the interval after point 1
     both are held, storage 1 until the interval after point 2; the use there is the step's
-    own (its ``bwd_peak``) plus them, and room for one more of the largest. Storages never
-    unpacked, and storages alive anyway, hold nothing."""
+    own (its ``bwd_peak``) plus them. Storages never unpacked, and storages alive anyway,
+    hold nothing."""
     from lmsrt.policy.profile import Profile
     from lmsrt.recompute.plan import rerun_peak
     prof = Profile()
@@ -565,12 +565,11 @@ def test_a_rerun_holds_what_its_call_saved_from_its_first_unpack_to_each_ones_la
         prof.record(True, used=own, peak=own, lmsrt_before=0, lmsrt_now=0)
     for i, j in ((3, 0), (1, 1), (2, 1), (1, 2), (2, 3), (0, 4)):
         prof.used_at(i, j)
-    # points 2..4: 50 + 1100 at 2, 2 + 1100 at 3 (storage 1 read last at 2), 1 + 1000 at 4;
-    # and one more of the largest (1000)
-    assert rerun_peak(prof, 1, 3) == 1150 + 1000
-    assert rerun_peak(prof, 2, 3) == 1050 + 1000        # 50 + 1000 at point 2
+    # points 2..4: 50 + 1100 at 2, 2 + 1100 at 3 (storage 1 read last at 2), 1 + 1000 at 4
+    assert rerun_peak(prof, 1, 3) == 1150
+    assert rerun_peak(prof, 2, 3) == 1050               # 50 + 1000 at point 2
     prof.live = {2}
-    assert rerun_peak(prof, 1, 3) == 150 + 100
+    assert rerun_peak(prof, 1, 3) == 150
     prof.first_use[1] = prof.last_use[1] = 1 << 62      # never unpacked
     assert rerun_peak(prof, 1, 3) == 0
 
@@ -579,8 +578,8 @@ def test_a_region_whose_rerun_would_not_fit_is_not_recomputed():
     """NOTE [ Region plan ], 2: a rerun holds all its call saved at once, where swapping brings
     each storage back alone; a region whose rerun, in the survey step, would have passed the
     bound is not recomputed (on an H200, a conv net at 85% of its peak ran out of memory in
-    backward in the first step that reran its 768 MiB stages). At an 8 MiB simulated GPU the
-    conv net's stages that save 4-5 MiB are left to the swaps, and said; those that fit are
+    backward in the first step that reran its 768 MiB stages). At a 4 MiB simulated GPU the
+    conv net's stages that save 4-5 MiB are left to the swaps, and said; the one that fits is
     recomputed; at 16 MiB they all fit. Each trains exactly."""
     import copy
 
@@ -589,7 +588,7 @@ def test_a_region_whose_rerun_would_not_fit_is_not_recomputed():
     model, x = convnet(c=8), torch.randn(4, 3, 128, 128)
     plain = _train(copy.deepcopy(model), x, 4)
     unfit = {}
-    for cap in (8 << 20, 16 << 20):
+    for cap in (4 << 20, 16 << 20):
         lms = lmsrt.LMS(lms=1, lms_frac="auto", device=SimulatedDevice(capacity=cap))
         lms._regions.bandwidth, lms._regions.worth = 1.0, 0
         with lmsrt_warnings() as said:
@@ -601,8 +600,8 @@ def test_a_region_whose_rerun_would_not_fit_is_not_recomputed():
         if unfit[cap]:
             assert any("too large to rerun" in line for line in said), said
         lms.close()
-    assert unfit[8 << 20] and not unfit[16 << 20], unfit
-    assert all("over the bound" in why for why in unfit[8 << 20].values())
+    assert unfit[4 << 20] and not unfit[16 << 20], unfit
+    assert all("over the bound" in why for why in unfit[4 << 20].values())
 
 
 def test_the_rebuild_recorder_sleeps_inside_a_recomputed_region(monkeypatch):

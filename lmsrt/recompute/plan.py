@@ -162,11 +162,7 @@ def rerun_peak(prof, start: int, end: int) -> int:
     have reached in the step ``prof`` recorded (a ``Profile``: every eligible storage swapped,
     nothing recomputed) had the call that saved storages ``start`` to ``end - 1`` been
     recomputed: from the first unpack of one of them its rerun holds them all, each until its
-    last unpack, where swapping brought each back alone; and room for one more of the largest,
-    which the step did not show (on an H200, a conv net's first step that reran a stage of three
-    256 MiB storages asked for 256 MiB more than this without it, and ran out of memory; the
-    rerun's forward holds its output and a convolution's workspace beside what it saved). 0
-    where none was unpacked.
+    last unpack, where swapping brought each back alone. 0 where none was unpacked.
 
     Example::
 
@@ -187,7 +183,7 @@ def rerun_peak(prof, start: int, end: int) -> int:
     for j in range(min(first + 1, points - 1), min(last, points - 1) + 1):
         held = sum(size for _, u, size in uses if u >= j - 1)
         peak = max(peak, prof.bwd_peak[j] + held)
-    return peak + max(size for _, _, size in uses)
+    return peak
 
 
 class SurveyCalls:
