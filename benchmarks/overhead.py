@@ -1,21 +1,26 @@
-"""lmsrt's own CPU time per settled step: a Llama-style model trained plain, under transformers'
-own checkpointing of every layer, and under lmsrt with the region plan recomputing its layers.
+"""lmsrt's own CPU time per settled step: a model trained plain, under the user's own
+checkpointing of every block, and under lmsrt with the region plan recomputing its blocks.
 
-    python benchmarks/overhead.py                          # 24 layers, 30 steps: table + JSON
+    python benchmarks/overhead.py                          # Llama, 24 layers, 30 steps
     python benchmarks/overhead.py --profile 10 --top 30    # and cProfile 10 more settled steps
+    python benchmarks/overhead.py --model resnet --profile 10   # resnet152's 50 Bottlenecks
     python benchmarks/overhead.py --cap 0.75 --lms-frac auto --out /tmp
 
-transformers' LlamaForCausalLM from a config (hidden 64, 4 heads, MLP 128, vocab 128: tensors
-small enough that a step's time is mostly Python, as a host-bound GPU step's is), batch 2 x 64
-tokens, AdamW, one thread, on the simulated device. Its capacity is ``--cap`` of the peak of a
-step that keeps everything, and its link is made to cost (1 byte/s, as tests/test_regions.py
-does), so the plan recomputes regions where they free the excess. At the defaults (0.9, lms_frac
-1.0) the settled steps recompute every layer and move nothing, as the Trainer's did on an H200.
+``--model llama`` (the default): transformers' LlamaForCausalLM from a config (hidden 64, 4
+heads, MLP 128, vocab 128), batch 2 x 64 tokens, AdamW, against transformers' own
+checkpointing. ``--model resnet``: torchvision's ResNet with resnet152's Bottlenecks (3, 8, 36,
+3 in ``layer1..layer4``, Sequentials) at width 8 on 2 images of 3x32x32, SGD, against
+``torch.utils.checkpoint`` (non-reentrant) around every Bottleneck (overhead_models.py). Both
+have tensors small enough that a step's time is mostly Python, as a host-bound GPU step's is;
+one thread, on the simulated device. Its capacity is ``--cap`` of the peak of a step that keeps
+everything, and its link is made to cost (1 byte/s, as tests/test_regions.py does), so the plan
+recomputes regions where they free the excess. At the defaults (0.9, lms_frac 1.0) the Llama's
+settled steps recompute every layer and move nothing, as the Trainer's did on an H200.
 
 Settled steps are the last half; each is timed in wall and in process CPU time (which counts no
 wait for another process: read it on a busy machine), as the median and the least. lmsrt's
 overhead is its step less the plain step less what its reruns cost the model itself (a plain
-layer's forward, timed by hooks in a run of its own, times the layers recomputed). ``--profile``
+block's forward, timed by hooks in a run of its own, times the blocks recomputed). ``--profile``
 runs more settled steps under cProfile and splits lmsrt's time by where it is entered from outside
 lmsrt (the saved-tensor hooks per saved tensor, the module hooks per module call) and by
 function; the simulated device's own bookkeeping (it stands in for CUDA's allocator counters) is
@@ -38,6 +43,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from overhead_models import MODELS
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
@@ -59,58 +65,56 @@ ENTRIES = {
 }
 
 
-def build(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(args.seed)
-    config = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=4,
-                         intermediate_size=2 * args.hidden, vocab_size=128,
-                         max_position_embeddings=args.seq)
-    model = LlamaForCausalLM(config)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def train(args, steps: int, lms=None, model=None, profile=None, checkpointing=False):
-    """Wall and CPU seconds of each of ``steps`` steps, the model and its optimizer, and the
-    losses."""
-    model, opt = model or build(args)
+def train(args, steps: int, lms=None, work=None, profile=None, checkpointing=False):
+    """Wall and CPU seconds of each of ``steps`` steps, the workload, and the losses."""
+    work = work or MODELS[args.model](args)
     if checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    g = torch.Generator().manual_seed(args.seed)
-    x = torch.randint(128, (args.batch, args.seq), generator=g)
+        work.checkpoint()
     times, cpu, losses = [], [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
         with lms if lms is not None else contextlib.nullcontext():
-            loss = model(input_ids=x, labels=x).loss
+            loss = work.loss()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        work.opt.step()
+        work.opt.zero_grad(set_to_none=True)
         if profile is not None:
             profile.disable()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         losses.append(loss.item())
-    return (times, cpu), (model, opt), losses
+    return (times, cpu), work, losses
 
 
-def layer_seconds(args, state, steps: int = 5) -> float:
-    """CPU seconds of one decoder layer's forward with grad, plain (the median over ``steps``
-    steps): what a rerun of one costs the model itself (a rerun that stops at its last save
-    runs a little less)."""
-    model, _ = state
+def layer_seconds(args, work, steps: int = 5) -> float:
+    """CPU seconds of one block's forward with grad, plain (the median over ``steps`` steps and
+    the blocks): what a rerun of one costs the model itself (a rerun that stops at its last
+    save runs a little less)."""
     spans, starts = [], {}
-    layers = model.model.layers
+    layers = work.blocks
     handles = [layer.register_forward_pre_hook(
         lambda m, a: starts.__setitem__(m, time.process_time())) for layer in layers]
     handles += [layer.register_forward_hook(
         lambda m, a, out: spans.append(time.process_time() - starts[m])) for layer in layers]
-    train(args, steps, model=state)
+    train(args, steps, work=work)
     for h in handles:
         h.remove()
     return statistics.median(spans)
+
+
+SHAPE = {"llama": ("layers", "hidden", "seq"), "resnet": ("blocks", "width", "size")}
+PEER = {"llama": "transformers' checkpointing, all layers",
+        "resnet": "torch checkpoint, every block"}
+
+
+def described(args) -> str:
+    if args.model == "llama":
+        return (f"Llama {args.layers} layers, hidden {args.hidden}, {args.batch}x{args.seq} "
+                "tokens")
+    return (f"ResNet of Bottlenecks {args.blocks}, width {args.width}, {args.batch}x3x"
+            f"{args.size}x{args.size} images")
 
 
 def under_lmsrt(args, capacity: int) -> lmsrt.LMS:
@@ -165,10 +169,14 @@ def split(stats: pstats.Stats, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=24, help="llama: its decoder layers")
+    ap.add_argument("--hidden", type=int, default=64, help="llama: its hidden size")
+    ap.add_argument("--seq", type=int, default=64, help="llama: tokens a sequence")
+    ap.add_argument("--blocks", default="3,8,36,3", help="resnet: Bottlenecks a stage")
+    ap.add_argument("--width", type=int, default=8, help="resnet: its stem's channels")
+    ap.add_argument("--size", type=int, default=32, help="resnet: an image's side, pixels")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--cap", type=float, default=0.9,
                     help="the simulated device's capacity, a share of a kept step's peak")
@@ -215,7 +223,8 @@ def main() -> None:
                                        "overhead_ms": (u - p) * 1e3 - rerun_ms}
     saved = step["kept_tensors"] + step["out_tensors"] + step["skipped_tensors"]
     result = {
-        "model": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "batch")},
+        "model": {"name": args.model, "batch": args.batch,
+                  **{k: getattr(args, k) for k in SHAPE[args.model]}},
         "cap": args.cap, "lms_frac": args.lms_frac, "capacity_bytes": int(peak * args.cap),
         "kept_peak_bytes": peak, "steps": args.steps, "torch": torch.__version__,
         "layer_forward_ms": layer_s * 1e3, "step": rows,
@@ -227,16 +236,16 @@ def main() -> None:
                     "rebuilt_bytes": step["recipe_bytes"], "engine_saves": saved,
                     "note": regions["note"]},
     }
-    print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.batch}x{args.seq} tokens, "
-          f"{args.steps} steps, capacity {args.cap:g} of a kept step's peak, lms_frac "
-          f"{args.lms_frac}; settled steps ({step['mode']}): {step['recomputed_regions']} of "
-          f"{regions['regions']} regions recomputed, {step['out_bytes']} bytes moved, "
-          f"{step['recipe_bytes']} rebuilt, {saved} saves through the engine")
+    print(f"{described(args)}, {args.steps} steps, capacity {args.cap:g} of a kept step's "
+          f"peak, lms_frac {args.lms_frac}; settled steps ({step['mode']}): "
+          f"{step['recomputed_regions']} of {regions['regions']} regions recomputed, "
+          f"{step['out_bytes']} bytes moved, {step['recipe_bytes']} rebuilt, {saved} saves "
+          "through the engine")
     print(f"the last {len(times[0][settled])} steps, ms (CPU time is the process's: it counts "
           f"no wait for another)")
     print(f"{'':40} " + " ".join(f"{clock:>11}" for clock in rows))
     for label, key in (("plain", "plain_ms"),
-                       ("transformers' checkpointing, all layers", "checkpointing_ms"),
+                       (PEER[args.model], "checkpointing_ms"),
                        ("under lmsrt", "lmsrt_ms"),
                        ("  reruns (the model's own time)", "reruns_ms"),
                        ("  lmsrt's overhead", "overhead_ms")):
@@ -244,7 +253,7 @@ def main() -> None:
 
     if args.profile:
         prof = cProfile.Profile()
-        train(args, args.profile, lms, model=state, profile=prof)
+        train(args, args.profile, lms, work=state, profile=prof)
         found = split(pstats.Stats(prof), args.profile)
         result["profile"] = found
         print(f"\nUnder cProfile, {args.profile} settled steps; per step (inclusive, entered "

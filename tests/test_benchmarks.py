@@ -142,18 +142,26 @@ def test_optimizer_step_benchmark_runs_tiny_and_is_exact(tmp_path):
     assert "| host |" in out.stdout
 
 
-def test_overhead_benchmark_runs_tiny(tmp_path):
-    """benchmarks/overhead.py at two layers: its settled steps recompute both, move nothing, and
-    their losses are the plain run's; cProfile's split names the hooks it was entered by."""
+@pytest.mark.parametrize("model", ["llama", "resnet"])
+def test_overhead_benchmark_runs_tiny(tmp_path, model):
+    """benchmarks/overhead.py at two blocks a stack (a Llama's layers, each of a ResNet's four
+    stages of Bottlenecks): its settled steps recompute them all, move nothing, and their
+    losses are the plain run's; cProfile's split names the hooks it was entered by."""
     import json
-    pytest.importorskip("transformers")
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--layers", "2",
-                          "--steps", "8", "--profile", "1", "--top", "3", "--out", str(tmp_path)],
+    if model == "llama":
+        pytest.importorskip("transformers")
+        shape, regions = ["--layers", "2"], 2
+    else:
+        shape, regions = ["--blocks", "2,2,2,2", "--width", "4", "--size", "32"], 8
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "overhead.py"), "--model", model,
+                          *shape, "--steps", "8", "--profile", "1", "--top", "3",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "overhead.json").read_text())
     settled = result["settled"]
-    assert settled["recomputed"] == 2 and settled["moved_bytes"] == 0, settled
+    assert settled["recomputed"] == regions and settled["moved_bytes"] == 0, settled
+    assert result["model"]["name"] == model
     assert set(result["step"]) == {"wall median", "wall min", "cpu median", "cpu min"}
     assert result["profile"]["entries"]["module pre-hook"]["calls_per_step"] > 0
     assert "lmsrt's overhead" in out.stdout

@@ -191,6 +191,68 @@ def test_a_users_checkpoint_is_left_alone():
     assert stats["regions"] == 4 and stats["recomputed"] == 0 and stats["kept_calls"] == 0
 
 
+class Seen(Block):
+    """A Block that notes, at each call, the state a rerun must restore: a backend flag and
+    autocast's."""
+
+    def __init__(self, d: int, seen: list):
+        super().__init__(d)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append((torch._C._get_mkldnn_enabled(), torch.is_autocast_enabled("cpu"),
+                          torch.get_autocast_dtype("cpu")))
+        return super().forward(x)
+
+
+def _changed(on: bool) -> contextlib.ExitStack:
+    """mkldnn off and autocast on (bfloat16), or nothing changed."""
+    stack = contextlib.ExitStack()
+    if on:
+        stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return stack
+
+
+@pytest.mark.parametrize("changed", ["forward", "backward", "neither"])
+def test_a_rerun_runs_under_forwards_flags_and_autocast(changed):
+    """Rule 6, where forward and backward differ both ways (the rerun sets forward's state and
+    puts backward's back) and where they agree (it has nothing to set)."""
+    seen: list = []
+    model = nn.Sequential(*[Seen(32, seen) for _ in range(3)])
+    lms, x = _lms("sim"), torch.randn(4, 8, 32)
+    reruns = 0
+    for step in range(3):
+        with lms, _changed(changed == "forward"):
+            loss = model(x).float().square().mean()
+        calls = len(seen)
+        # (Not in step 1, which rebuilds saved tensors, under backward's autocast.)
+        on = changed == "backward" and step > 0
+        with _changed(on):
+            loss.backward()
+            assert torch.is_autocast_enabled("cpu") == on           # put back after the rerun
+            assert torch._C._get_mkldnn_enabled() != on
+        reruns += len(seen) - calls
+        assert len(set(seen)) == 1, seen            # every rerun as forward ran
+        seen.clear()
+    assert reruns == 6                              # steps 2 and 3 recompute all three
+
+
+def test_a_reruns_norms_are_its_training_norms_in_module_order_each_once():
+    """``running_norms``, read at every rerun: ``module.modules()``'s order, a module listed
+    twice once, a child set to None skipped, norms in eval mode left out."""
+    from lmsrt.recompute.finder import Region
+    from lmsrt.recompute.frames import running_norms
+    shared = nn.BatchNorm1d(4)
+    inner = nn.Sequential(shared, nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), shared))
+    block = nn.Sequential(nn.BatchNorm1d(4).eval(), inner, nn.BatchNorm1d(4), inner)
+    block.add_module("gone", None)
+    region = Region("block", (block, inner), True)
+    assert running_norms(region) == [m for module in (block, inner) for m in module.modules()
+                                     if isinstance(m, nn.BatchNorm1d) and m.training]
+    assert len(running_norms(region)) == 5       # (three in the block, two in inner)
+
+
 class InPlaceInput(nn.Module):
     def __init__(self):
         super().__init__()

@@ -24,7 +24,7 @@ from ..engine.records import counter_only, counters_only, modified_error
 from ..hook_stack import remove_own_hooks
 from ..options import spelled
 from .finder import BlockCall
-from .safety import ambient, as_called, generator_states, restore_ambient
+from .safety import ambient, as_called, generator_states, restore_ambient, updates_running_stats
 
 __all__ = ["Frame", "RERUNS", "rerun", "running_norms"]
 
@@ -39,15 +39,6 @@ class _Reruns(threading.local):
 # a rerun calls (they would find nothing to do: no frame opens in backward, and the rerun's
 # calls nest inside any walk of a frame still open).
 RERUNS = _Reruns()
-
-
-class _Handle:
-    """What autograd holds for a tensor saved inside a region."""
-
-    __slots__ = ("frame", "index")
-
-    def __init__(self, frame: "Frame", index: int):
-        self.frame, self.index = frame, index
 
 
 def _device_ctx():
@@ -67,7 +58,10 @@ class Frame(BlockCall):
         super().__init__(region)
         self.regions = regions
         self.outer_pack, self.outer_unpack = outer
-        leaves, self.spec = tree_flatten((args, kwargs))
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            leaves, self.spec = list(args), None    # (tree_flatten's result, without its cost)
+        else:
+            leaves, self.spec = tree_flatten((args, kwargs))
         tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         # Tensors go through the engine's hooks (kept or swapped), the rest as they are now
         # (Rule 3: an object forward changes, transformers' DynamicCache, copied).
@@ -108,7 +102,8 @@ class Frame(BlockCall):
         self._seen: Optional[set] = set()
         self.hooks: Optional[saved_tensors_hooks] = saved_tensors_hooks(self.pack, self.unpack)
 
-    def pack(self, t: torch.Tensor) -> _Handle:
+    def pack(self, t: torch.Tensor) -> int:
+        # What autograd holds is the tensor's index: its unpack hook is this frame's own.
         meta = self.meta
         index = len(meta)
         alias = t.detach()
@@ -128,7 +123,7 @@ class Frame(BlockCall):
             elif ptr not in self._seen:
                 self._seen.add(ptr)
                 self.nbytes += storage.nbytes()
-        return _Handle(self, index)
+        return index
 
     def close(self, keep_why: str) -> str:
         """It returned, raised (``keep_why``), or a walk left it (Rule 3): its own hooks come
@@ -206,8 +201,7 @@ class Frame(BlockCall):
         """Its check gives no verdict (reruns.py): it keeps, like any kept call."""
         self.checking, self.again, self.leaves = False, None, None
 
-    def unpack(self, handle: _Handle) -> torch.Tensor:
-        index = handle.index
+    def unpack(self, index: int) -> torch.Tensor:
         counter, version, shape, _ = self.meta[index]
         if counter._version != version:
             raise modified_error("tensor", shape, None, counter._version, version,
@@ -260,12 +254,30 @@ class Frame(BlockCall):
         return t.detach().requires_grad_(grad)
 
 
+def _put_rng(cpu: torch.Tensor, gpus: list) -> None:
+    torch.set_rng_state(cpu)
+    for device, state in gpus:
+        torch.cuda.set_rng_state(state, device)
+
+
 def running_norms(region) -> list:
     """The region's norms whose running statistics a forward in training mode updates: the
     rerun updates copies of them (Rule 4)."""
-    return [m for module in region.modules for m in module.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
-            and m.track_running_stats]
+    return [m for module in region.modules for m in _modules_in(module) if updates_running_stats(m)]
+
+
+def _modules_in(module: nn.Module) -> list:
+    """``list(module.modules())`` (the same modules in the same order, each once), without the
+    names ``named_modules`` joins for each: read at every rerun."""
+    out, memo, todo = [], set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in memo:
+            continue
+        memo.add(m)
+        out.append(m)
+        todo += [c for c in reversed(m._modules.values()) if c is not None]
+    return out
 
 
 class _Stop(Exception):
@@ -309,7 +321,8 @@ def rerun(frame: Frame) -> None:
     region = frame.region
     leaves = [frame.input_of_rerun(i) if tensor else as_called(a)     # (Rule 3)
               for i, (tensor, a, _) in enumerate(frame.leaves)]
-    args, kwargs = tree_unflatten(leaves, frame.spec)
+    args, kwargs = (tuple(leaves), {}) if frame.spec is None else tree_unflatten(leaves,
+                                                                                  frame.spec)
     with contextlib.ExitStack() as stack:
         RERUNS.depth += 1
         stack.callback(setattr, RERUNS, "depth", RERUNS.depth - 1)
@@ -330,13 +343,18 @@ def rerun(frame: Frame) -> None:
         for m in running_norms(region):
             stack.callback(m._buffers.update, dict(m._buffers))
             m._buffers.update((k, b.clone()) for k, b in m._buffers.items() if b is not None)
-        stack.enter_context(torch.random.fork_rng(devices=[d for d, _ in frame.gpu_rng]))
-        torch.set_rng_state(frame.cpu_rng)
-        for device, state in frame.gpu_rng:
-            torch.cuda.set_rng_state(state, device)
+        # (torch.random.fork_rng's save and restore, without its generator's cost)
+        stack.callback(_put_rng, torch.get_rng_state(),
+                       [(d, torch.cuda.get_rng_state(d)) for d, _ in frame.gpu_rng])
+        _put_rng(frame.cpu_rng, frame.gpu_rng)
         restore_ambient(stack, frame.ambient)
         for kind, enabled, dtype in frame.autocast:
-            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            # Where autocast is as forward had it, entering it again would change nothing the
+            # rerun computes (its cache is dropped at the outermost exit; none is added while
+            # it is off, and while on, an outer autocast holds the cache as forward's did).
+            if (enabled, dtype) != (torch.is_autocast_enabled(kind),
+                                    torch.get_autocast_dtype(kind)):
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
         if frame.device_ctx is not None:
             stack.enter_context(frame.device_ctx)
         stack.enter_context(torch.enable_grad())

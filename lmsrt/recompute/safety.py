@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 __all__ = ["BlockState", "ambient", "as_called", "restore_ambient", "generator_states",
-           "RANDOM_CHECKS"]
+           "updates_running_stats", "RANDOM_CHECKS"]
 
 RANDOM_CHECKS = 4      # a region's calls whose Python/numpy generator use is checked
 _NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -72,17 +72,20 @@ def _ambient_flags() -> List[Tuple[Callable, Callable]]:
 
 
 _FLAGS = _ambient_flags()
+_GETS = [get for get, _ in _FLAGS]
 
 
 def ambient() -> tuple:
     """The backend flags, ``sdpa_kernel``'s backends, deterministic mode, default dtype and
     autocast's cache as they are now (a few C calls)."""
-    return tuple(get() for get, _ in _FLAGS)
+    return tuple([get() for get in _GETS])
 
 
 def restore_ambient(stack: contextlib.ExitStack, values: tuple) -> None:
     """Set what differs from ``values`` (``ambient()`` of forward) until ``stack`` closes."""
-    for (get, put), value in zip(_FLAGS, values):
+    if ambient() == values:
+        return
+    for (get, put), value in zip(_FLAGS, values):   # (one read each: some set others too)
         now = get()
         if now != value:
             stack.callback(put, now)
@@ -138,6 +141,12 @@ def as_called(obj, memo: Optional[dict] = None, depth: int = 0):
     return out
 
 
+def updates_running_stats(m: nn.Module) -> bool:
+    """Whether ``m`` is a batch norm whose running statistics a forward in training mode
+    updates: its rerun updates copies of them and puts them back, so they are not watched."""
+    return isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+
+
 def _lmsrt_hook(hook) -> bool:
     return getattr(hook, "__module__", "").startswith("lmsrt.")
 
@@ -182,8 +191,9 @@ class BlockState:
 
     def hooks(self) -> str:
         """Forward hooks that would run again in the rerun (the user's), or ""."""
-        for name, m in self.named:
-            if m._forward_hooks or m._forward_pre_hooks:
+        for name, ref in self._named:
+            m = ref()
+            if m is not None and (m._forward_hooks or m._forward_pre_hooks):
                 return (f"{name or type(m).__name__} has forward hooks of its own, which a "
                         "rerun would call again")
         foreign = _foreign_global_hooks()
@@ -191,9 +201,8 @@ class BlockState:
                 else "")
 
     def _tensors(self):
-        """(kind, module name, key, tensor) of its parameters and buffers, in order (batch
-        norm's running statistics in training mode apart: the rerun puts them back). Read three
-        times a call of a recomputed region (``versions``): names are joined only when said."""
+        """(kind, module name, key, tensor) of its parameters and buffers, in ``versions``'
+        order: what a moved version is said as."""
         for name, ref in self._named:
             m = ref()
             if m is None:
@@ -202,15 +211,29 @@ class BlockState:
                 if t is not None:
                     yield "parameter", name, key, t
             if m._buffers:
-                norm_stats = (isinstance(m, nn.modules.batchnorm._NormBase) and m.training
-                              and m.track_running_stats)
+                put_back = updates_running_stats(m)
                 for key, t in m._buffers.items():
-                    if t is not None and not (norm_stats and key in _NORM_STATS):
+                    if t is not None and not (put_back and key in _NORM_STATS):
                         yield "buffer", name, key, t
 
     def versions(self) -> list:
-        """The version counters of its parameters and buffers (``_tensors``)."""
-        return [t._version for _, _, _, t in self._tensors()]
+        """The version counters of its parameters and buffers (``_tensors``), read three times
+        a call of a recomputed region: one loop, no names, no tuples."""
+        out: list = []
+        append = out.append
+        for _, ref in self._named:
+            m = ref()
+            if m is None:
+                continue
+            for t in m._parameters.values():
+                if t is not None:
+                    append(t._version)
+            if m._buffers:
+                put_back = updates_running_stats(m)
+                for key, t in m._buffers.items():
+                    if t is not None and not (put_back and key in _NORM_STATS):
+                        append(t._version)
+        return out
 
     def moved(self, before: list, now: list) -> str:
         """The first parameter or buffer whose version is not in ``now`` what it was in
