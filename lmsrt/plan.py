@@ -13,7 +13,8 @@ from it by a larger storage, or by more of them, has ``grown`` from there on.
 
 Storages that the engine may rebuild in backward instead of moving (``rebuildable``:
 engine/recipes.py, NOTE [ Rebuilt storages ]) cost no copy to offload, so a target in bytes takes
-them first.
+them first. A rebuild reads its inputs at the storage's first use, before their own: where that
+would not fit, the policy moves the storage instead (``swapped``).
 
 Storages that outlived last step's backward anyway (an input batch, a buffer, a frozen weight
 held as a tensor) are kept: copying them out frees nothing. That set is relearnt every
@@ -51,7 +52,9 @@ class OffloadPlan:
         self.live: set = set()          # indices whose storage outlived the step anyway
         self.live_now: set = set()      # the same, seen in this step's backward
         self.live_age = 0               # steps since the live set was last relearnt
-        self.rebuildable: set = set()   # indices the engine may rebuild instead of moving
+        self.rebuildable: dict = {}     # indices the engine may rebuild instead of moving ->
+                                        # the indices of the saved storages their recipes read
+        self.swapped: set = set()       # rebuildable ones that the chosen offloads move
 
     @property
     def mode(self) -> str:
@@ -75,7 +78,7 @@ class OffloadPlan:
         sequence = self.sequence
         flags = self.chosen or [i < self.cutoff for i in range(len(sequence))]
         return sum(n for i, (n, out) in enumerate(zip(sequence, flags))
-                   if out and i not in self.rebuildable)
+                   if out and (i not in self.rebuildable or i in self.swapped))
 
     def expect(self, sizes: List[int]) -> None:
         """Plan this step for ``sizes`` (a learnt profile's) rather than the last step's."""
@@ -138,13 +141,15 @@ class OffloadPlan:
     def mark_live(self, index: int) -> None:
         self.live_now.add(index)
 
-    def finish_step(self, rebuildable: Optional[set] = None) -> bool:
+    def finish_step(self, rebuildable=None) -> bool:
         """Start recording the next step; return whether the one just finished followed the
         plan. ``rebuildable``: the indices of the step just finished that the next may rebuild
-        instead of moving. The policy then sets the target (``set_target`` or ``set_cutoff``)."""
+        instead of moving, each with the indices its recipe reads (a dict), or a set of them
+        (reading none). The policy then sets the target (``set_target`` or ``set_cutoff``)."""
         followed = self.followed
         self.repeated = bool(self.current) and self.current == self.recorded
-        self.rebuildable = rebuildable or set()
+        self.rebuildable = (dict(rebuildable) if isinstance(rebuildable, dict)
+                            else dict.fromkeys(rebuildable or (), ()))
         self.live_age = self.live_age + 1 if followed and self.live_age < _RELEARN_LIVE else 0
         self.live, self.live_now = self.live_now | (self.live if self.live_age else set()), set()
         self.recorded, self.current = self.current, []
@@ -161,7 +166,7 @@ class OffloadPlan:
         lmsrt's, would otherwise pin host memory for nothing); rebuildable ones first."""
         cumulative = list(itertools.accumulate(self.recorded))
         self.target = min(max(0, int(target)), cumulative[-1] if cumulative else 0)
-        self.chosen = []
+        self.chosen, self.swapped = [], set()
         self.cutoff = min(len(cumulative), bisect.bisect_left(cumulative, self.target) + 1) \
             if self.target > 0 else 0
         if self.rebuildable and self.target > 0:
@@ -179,11 +184,12 @@ class OffloadPlan:
         """Offload the storages before ``cutoff``."""
         self.cutoff = max(0, min(cutoff, len(self.recorded)))
         self.target = sum(self.recorded[:self.cutoff])
-        self.chosen = []
+        self.chosen, self.swapped = [], set()
 
-    def set_offloaded(self, chosen: List[bool]) -> None:
-        """Offload storage i if ``chosen[i]`` (one flag per recorded storage)."""
-        self.chosen = list(chosen)
+    def set_offloaded(self, chosen: List[bool], swapped=()) -> None:
+        """Offload storage i if ``chosen[i]`` (one flag per recorded storage); move those in
+        ``swapped`` although rebuildable."""
+        self.chosen, self.swapped = list(chosen), set(swapped)
         self.target = sum(n for n, out in zip(self.sequence, chosen) if out)
         self.cutoff = max((i + 1 for i, out in enumerate(chosen) if out), default=0)
 

@@ -515,6 +515,45 @@ def test_a_target_in_bytes_takes_rebuildable_storages_first():
     assert plan.cutoff == 2 and not plan.chosen
 
 
+def test_a_rebuild_counts_its_inputs_read_early_and_is_moved_where_they_would_not_fit():
+    """A rebuild runs at the storage's first unpack and reads its inputs there, before their
+    own first unpack (a convolution's output is read in backward before its input): storage 1,
+    rebuilt from storage 0 at backward point 0, holds storage 0 from there to point 2, where
+    moving brought it back. Where those bytes fit, the prediction counts them; where they do
+    not, storage 1 is moved instead (measured on an H200: the first step that rebuilt a 256 MiB
+    convolution output of a conv net at 85% of its peak ran out of memory)."""
+    from lmsrt.policy.planner import choose_offloads
+    from lmsrt.policy.profile import Profile
+    prof = Profile()
+    for own, peak in ((0, 0), (0, 100)):
+        prof.record(False, used=own, peak=peak, lmsrt_before=0, lmsrt_now=0, nbytes=100)
+    for peak in (70, 50, 50, 50):
+        prof.record(True, used=0, peak=peak, lmsrt_before=0, lmsrt_now=0)
+    prof.used_at(1, 0)
+    prof.used_at(0, 2)
+    # Storage 0 fits nowhere (200 at forward's point 1), storage 1 not at point 0 (170): both
+    # offloaded; the rebuild holds storage 0 over points 1 and 2 (peaks 3 and 4).
+    offload, peaks, _, swapped = choose_offloads(prof, set(), {1: (0,)}, 160)
+    assert offload == [True, True] and not swapped
+    assert peaks[2:] == [70, 150, 150, 50]
+    offload, peaks, _, swapped = choose_offloads(prof, set(), {1: (0,)}, 140)
+    assert offload == [True, True] and swapped == {1}
+    assert peaks[2:] == [70, 50, 50, 50]
+    # A recipe that reads nothing saved, or an input alive anyway, holds nothing more.
+    for rebuildable, live in (({1: ()}, set()), ({1}, set()), ({1: (0,)}, {0})):
+        offload, peaks, _, swapped = choose_offloads(prof, live, rebuildable, 140)
+        assert offload[1] and not swapped and peaks[2:] == [70, 50, 50, 50]
+    # The plan moves what it swaps: the host holds it.
+    plan = OffloadPlan()
+    for n in (100, 100):
+        plan.offload(len(plan.current), n)
+    plan.finish_step(rebuildable={1: (0,)})
+    plan.set_offloaded([True, True], swapped={1})
+    assert plan.copied == 200 and plan.rebuildable == {1: (0,)}
+    plan.set_offloaded([True, True])
+    assert plan.copied == 100
+
+
 def test_the_plan_counts_for_the_host_only_what_it_copies():
     plan = OffloadPlan()
     for n in (10, 20, 30, 40):
@@ -562,6 +601,36 @@ def test_where_part_must_move_rebuilt_bytes_come_off_what_moves(lms_frac):
         moved[recompute] = last["out_bytes"], last["recipe_bytes"]
     (off, _), (on, rebuilt) = moved[False], moved[True]
     assert rebuilt > 0 and on < off, moved
+
+
+def test_a_rebuildable_storage_the_plan_moves_is_copied_not_rebuilt(monkeypatch):
+    """Where a rebuild's inputs would not fit before their own use, the planner moves the
+    storage instead (``choose_offloads``' swapped): the planned steps then copy every
+    rebuildable storage they offload, rebuild none, and stay exact; the recipes are still noted,
+    so the plan's rebuildable set, and with it the plan, stays as it was."""
+    import lmsrt.policy.auto as auto
+    choose = auto.choose_offloads
+
+    def moving(prof, live, rebuildable, budget):
+        offload, peaks, between, _ = choose(prof, live, rebuildable, budget)
+        return offload, peaks, between, {k for k in rebuildable if offload[k]}
+
+    monkeypatch.setattr(auto, "choose_offloads", moving)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(64, 4) for _ in range(8)])
+    x = torch.randn(8, 64, 64)
+    ref = _train(model, x)
+    device = SimulatedDevice(capacity=20 << 20, strict=True)    # uncapped peak: 20 MiB
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto", recompute=True)
+    for _ in range(5):
+        assert_same(ref, _train(model, x, lms=lms))
+    plan = lms._engine.plan
+    steps = [s for s in _steps(lms) if s["mode"] == "plan"]
+    assert len(steps) >= 2 and plan.rebuildable and plan.swapped, steps
+    assert plan.swapped <= set(plan.rebuildable)
+    for s in steps:
+        assert s["recipe_bytes"] == 0 and s["out_bytes"] > 0, s
+    assert plan.copied == plan.target
 
 
 def test_a_plan_that_offloads_nothing_notes_no_recipes_until_it_offloads_again():

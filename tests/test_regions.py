@@ -616,8 +616,9 @@ def test_a_rerun_holds_what_its_call_saved_from_its_first_unpack_to_each_ones_la
     """NOTE [ Region plan ], 2: a call that saved storages 1 and 2 (of 0-3), unpacked first at
     backward point 1 and last at points 2 and 3: recomputed, from the interval after point 1
     both are held, storage 1 until the interval after point 2; the use there is the step's
-    own (its ``bwd_peak``) plus them. Storages never unpacked, and storages alive anyway,
-    hold nothing."""
+    own (its ``bwd_peak``) plus them, and plus the storages saved before the call that it was
+    called with, from the rerun on. Storages never unpacked, and storages alive anyway, hold
+    nothing."""
     from lmsrt.policy.profile import Profile
     from lmsrt.recompute.plan import rerun_peak
     prof = Profile()
@@ -630,6 +631,11 @@ def test_a_rerun_holds_what_its_call_saved_from_its_first_unpack_to_each_ones_la
     # points 2..4: 50 + 1100 at 2, 2 + 1100 at 3 (storage 1 read last at 2), 1 + 1000 at 4
     assert rerun_peak(prof, 1, 3) == 1150
     assert rerun_peak(prof, 2, 3) == 1050               # 50 + 1000 at point 2
+    # Called with storage 0 (saved before it, unpacked first at point 4): the rerun starts
+    # from it, so it is held from the rerun on; a storage of its own called with counts once.
+    assert rerun_peak(prof, 1, 3, inputs=[0]) == 1160
+    assert rerun_peak(prof, 1, 3, inputs=[1, 1]) == 1150
+    assert rerun_peak(prof, 2, 3, inputs=[0, 1]) == 1160    # 50 + 1000 + 100 + 10 at point 2
     prof.live = {2}
     assert rerun_peak(prof, 1, 3) == 150
     prof.first_use[1] = prof.last_use[1] = 1 << 62      # never unpacked

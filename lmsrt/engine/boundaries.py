@@ -29,6 +29,7 @@ import torch
 
 from ..plan import OffloadPlan
 from ..stats import StepStats
+from .records import Offloaded
 
 __all__ = ["StepBoundaries", "StepState"]      # a room of SwapEngine (core.py)
 
@@ -105,6 +106,17 @@ class StepBoundaries:
         where each block's call begins and ends by it."""
         keeper = self._keeper() if self._armed else None
         return self.state.index if keeper is None else keeper.index
+
+    def saved_points(self, tensors) -> list:
+        """The forward points of the storages of ``tensors`` that this step has saved and
+        swapped so far (a region's inputs in the survey step: NOTE [ Region plan ], 2)."""
+        points = []
+        for t in tensors:
+            storage = t.untyped_storage()
+            entry = self.state.by_ptr.get(storage.data_ptr())
+            if type(entry) is Offloaded and entry.storage_ref() is storage:
+                points.append(entry.seq)
+        return points
 
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step
@@ -271,15 +283,16 @@ class StepBoundaries:
 
     def _finish_rebuilds(self, s: StepStats) -> set:
         """Read the step's bitwise checks and rebuild times; return the forward points whose
-        storages the next step may rebuild (for the plan)."""
+        storages the next step may rebuild, each with the points its recipe reads (for the
+        plan)."""
         s.rebuild_ms, s.rebuild_checks, mismatched = self.rebuilds.finish_step()
         if mismatched:
             self.diagnostics.rebuild_mismatch(mismatched)
         if not self.rebuilds.judge_recorder(s.rebuilt_bytes if self.plan.planned else 0,
                                             s.rebuilt_tensors):
-            return set()
+            return {}
         trusted = self.rebuilds.trusted
-        return {i for i, sig in self.state.sigs.items() if sig in trusted}
+        return {i: reads for i, (sig, reads) in self.state.sigs.items() if sig in trusted}
 
     def step_peak(self) -> int:
         """The peak of the step in flight so far, resets of the device's counter inside it

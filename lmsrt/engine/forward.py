@@ -125,7 +125,7 @@ class PackSide:
                 level = self.policy.swap_at(plan, index)
                 if self.gauge.use(nbytes, level) - self.held.bytes <= level:
                     self.step.count_kept(nbytes, live=index in plan.live)
-                    entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version)
+                    entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version, index)
                     return entry
             return self._keep_or_offload(t, storage, version, nbytes, index, ref, False)
         rec = st.rec
@@ -146,16 +146,18 @@ class PackSide:
             # Last step's copy of this storage freed nothing: something else kept it alive
             # through backward (an input batch, a buffer, a frozen weight held as a tensor).
             self.step.count_kept(nbytes, live=True)
-            entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version)
+            entry = st.by_ptr[storage.data_ptr()] = Kept(ref, version, index)
             return entry
         # Sources still being copied out will be freed anyway: swap more only if GPU use would
         # stay over the level once they are (else copies that lag forward would look like demand).
         recipe = None
+        policy, plan = self.policy, self.plan
         if self.rebuilds is not None and self.rebuilds.recipes:
             recipe = self.rebuilds.usable(t, self._available)
             if recipe is not None:
-                st.sigs[index] = recipe.signature
-        policy, plan = self.policy, self.plan
+                st.sigs[index] = (recipe.signature, recipe.input_points())
+                if index in plan.swapped and planned:
+                    recipe = None           # its rebuild would not fit: moved (plan.py)
         level = 0 if planned else policy.swap_at(plan, index)
         hold = policy.hold_to(plan, index)
         used = None if planned else self.gauge.use(nbytes, level or hold)
@@ -170,7 +172,7 @@ class PackSide:
                     # NOTE [ Auto ], 4): GPU use there, from the step's base.
                     st.over = (index, over - st.base)
         if entry is None:
-            entry = Kept(ref, version)
+            entry = Kept(ref, version, index)
             self.step.count_kept(nbytes)
         st.by_ptr[storage.data_ptr()] = entry
         if self.rebuilds is not None and self.rebuilds.retaining:

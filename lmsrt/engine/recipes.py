@@ -2,16 +2,17 @@
 Under ``recompute`` a storage whose recipe (recompute/recipes.py, NOTE [ Recipes ]) reads only
 inputs the engine holds anyway (parameters, storages saved in this forward: kept, swapped or rebuilt
 themselves) is offloaded without a copy when the engine would otherwise swap it: its source is
-dropped at once, and backward runs the op again at its first use, on its stream, from its inputs
-(a swapped input is brought back for it, early by the little that separates the two uses: an op's
-output is used in backward just before its input). The recipe marks its inputs' entries as needed
-(``needed_by``), so an input no handle holds any more still outlives it; kept inputs are held by
-their storage. A recipe's signature is trusted once a rebuild of it has matched bit for bit on
-this device. The first check is made in forward, as the storage is saved (``_check_now``: one
-rebuild, one comparison, one device sync per signature), while the storage and its inputs are
-still on the GPU: in the first forward each recipe retains its inputs' storages until its output
-is saved (``Recipe.retain_inputs``). Trusted there, the storage is rebuilt from this step on, and
-no copy goes out for it: the first step pins and moves only what must move. Where that check
+dropped at once, and backward runs the op again at its first use, on its stream, from its inputs (a
+swapped input is brought back for it, early by what separates the two uses: an op's output is used
+in backward before its input, a stage's first input last of all; the plan counts those bytes, and
+moves the storage instead where they would not fit: policy/planner.py). The recipe marks its inputs'
+entries as needed (``needed_by``), so an input no handle holds any more still outlives it; kept
+inputs are held by their storage. A recipe's signature is trusted once a rebuild of it has matched
+bit for bit on this device. The first check is made in forward, as the storage is saved
+(``_check_now``: one rebuild, one comparison, one device sync per signature), while the storage and
+its inputs are still on the GPU: in the first forward each recipe retains its inputs' storages until
+its output is saved (``Recipe.retain_inputs``). Trusted there, the storage is rebuilt from this step
+on, and no copy goes out for it: the first step pins and moves only what must move. Where that check
 cannot be made (no room for a second copy, an input gone), the storage is swapped as usual and
 carries the recipe as a check: its first use rebuilds it beside the copy and compares on the GPU
 (``Rebuilds.check``); the step's end reads the comparisons, and that signature's storages are

@@ -75,11 +75,12 @@ class Offloaded:
 class Kept:
     """An eligible storage that stays on the GPU (so later views of it stay too)."""
 
-    __slots__ = ("storage_ref", "version")
+    __slots__ = ("storage_ref", "version", "seq")
     dead = False
 
-    def __init__(self, storage_ref, version: int):
+    def __init__(self, storage_ref, version: int, seq: int = -1):
         self.storage_ref, self.version = storage_ref, version
+        self.seq = seq                  # its place among this forward's saved storages, if known
 
 
 class KeptHandle:

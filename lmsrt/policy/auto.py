@@ -231,9 +231,9 @@ class AutoPolicy(LimitShares):
         self._planned_for = budget
         self._planned_rebuildable = rebuildable = plan.rebuildable
         live = plan.live | prof.live
-        offload, peaks, between = choose_offloads(prof, live, rebuildable, budget)
+        offload, peaks, between, swapped = choose_offloads(prof, live, rebuildable, budget)
         n = len(prof.sizes)
-        plan.set_offloaded(offload)
+        plan.set_offloaded(offload, swapped)
         peak = max(peaks, default=0)
         self.predicted_peak = base + peak
         self._slack = slack = max(0, budget - peak)
@@ -242,9 +242,9 @@ class AutoPolicy(LimitShares):
         self._reactive = base + budget - prof.growth()
         count = sum(offload)
         moved = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
-                    if out and k not in rebuildable)
+                    if out and (k not in rebuildable or k in swapped))
         rebuilt = sum(size for k, (size, out) in enumerate(zip(prof.sizes, offload))
-                      if out and k in rebuildable)
+                      if out and k in rebuildable and k not in swapped)
         self._cutoff = count
         gib = GiB
         also = f", {rebuilt / gib:.2f} GiB rebuilt instead" if rebuilt else ""

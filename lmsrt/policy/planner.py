@@ -3,7 +3,7 @@
 
 Example::
 
-    offload, peaks, between = choose_offloads(profile, live, rebuildable, budget)
+    offload, peaks, between, swapped = choose_offloads(profile, live, rebuildable, budget)
     swap, hold, fetch = levels(profile, live, offload, between, peaks, budget, slack)
 """
 from __future__ import annotations
@@ -16,17 +16,25 @@ from .profile import Profile
 __all__ = ["choose_offloads", "levels"]
 
 
-def choose_offloads(prof: Profile, live: set, rebuildable: set,
-                    budget: int) -> Tuple[List[bool], List[int], list]:
+def choose_offloads(prof: Profile, live: set, rebuildable,
+                    budget: int) -> Tuple[List[bool], List[int], list, set]:
     """Which storages to offload (one bool per forward point) so that the predicted peaks stay
-    under ``budget``; the predicted peak at each point (through forward, then backward); and
-    each storage's wait between its first unpack and its last (``Profile.between``), or None.
+    under ``budget``; the predicted peak at each point (through forward, then backward); each
+    storage's wait between its first unpack and its last (``Profile.between``), or None; and
+    the rebuildable storages offloaded that are to be moved rather than rebuilt.
 
     Keep storages from the last saved down (backward needs them first), each one whose bytes fit
     under the budget at every point from its save to its last use; offload the rest. (Keeping a
     plain suffix would have to keep the last storages first, which are often the largest and
-    alive at the peak: an LM's fp32 log-softmax output.) Storages the engine can rebuild cost no
-    copy to offload: they are kept only with the room that the others leave."""
+    alive at the peak: an LM's fp32 log-softmax output.) Storages the engine can rebuild
+    (``rebuildable``: each with the indices its recipe reads, or a set of them) cost no copy to
+    offload: they are kept only with the room that the others leave. A rebuild runs at the
+    storage's first unpack and reads its inputs there, before their own first unpack, where
+    moving would have brought them back (a convolution's output is read in backward before
+    its input, a stage's first input last of all): those bytes are counted from the rebuild
+    on, and where they would not fit, the storage is moved instead (measured on an H200: a
+    conv net at 85% of its peak ran out of memory in the first step that rebuilt a 256 MiB
+    convolution output, its 256 MiB input brought back early for it)."""
     n, p = len(prof.sizes), len(prof.bwd_own)
     peaks = prof.fwd_peak + prof.bwd_peak        # points through forward, then backward
     # A storage restored for backward waits between its first unpack and its last, kept or
@@ -40,18 +48,52 @@ def choose_offloads(prof: Profile, live: set, rebuildable: set,
     waits = list(itertools.accumulate(waits))[:n + p]
     peaks = [v + w for v, w in zip(peaks, waits)]
     offload = [False] * n
+    swapped: set = set()
+    reads = rebuildable if isinstance(rebuildable, dict) else {}
+    kept: set = set()
     down = range(n - 1, -1, -1)
     for k in [k for k in down if k not in rebuildable] + [k for k in down if k in rebuildable]:
         size = prof.sizes[k]
         if k in live or not size:
             continue
         spans = _without(prof.kept_spans(k), between[k])
-        if all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans):
-            for a, b in spans:
-                peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
-        else:
-            offload[k] = True
-    return offload, peaks, between
+        if _fits(peaks, spans, size, budget):
+            _add(peaks, spans, size)
+            kept.add(k)
+            continue
+        offload[k] = True
+        if k in rebuildable:
+            early = _read_early(prof, k, reads.get(k, ()), live, kept)
+            if all(_fits(peaks, [span], nbytes, budget) for span, nbytes in early):
+                for span, nbytes in early:
+                    _add(peaks, [span], nbytes)
+            else:
+                swapped.add(k)
+    return offload, peaks, between, swapped
+
+
+def _fits(peaks: List[int], spans: list, size: int, budget: int) -> bool:
+    return all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans)
+
+
+def _add(peaks: List[int], spans: list, size: int) -> None:
+    for a, b in spans:
+        peaks[a:b + 1] = [v + size for v in peaks[a:b + 1]]
+
+
+def _read_early(prof: Profile, k: int, inputs, live: set, kept: set) -> list:
+    """((first point, last point), bytes) for each input of storage k's recipe that a rebuild
+    at k's first unpack reads before its own first unpack (one neither alive anyway nor kept)."""
+    n, p = len(prof.sizes), len(prof.bwd_own)
+    first = prof.first_use[k] if k < len(prof.first_use) else p
+    out = []
+    for i in set(inputs):
+        if i in live or i in kept or i >= n or first >= p:
+            continue
+        own = min(prof.first_use[i], p - 1)
+        if own > first:
+            out.append(((n + first + 1, n + own), prof.sizes[i]))
+    return out
 
 
 def levels(prof: Profile, live: set, offload: List[bool], between: list, peaks: List[int],

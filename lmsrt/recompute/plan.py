@@ -18,6 +18,7 @@ import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..units import format_bytes
 
@@ -157,16 +158,19 @@ def over_bound(step, bound: int, carried: Tuple[int, int] = (0, 0)) -> Tuple[int
     return saved, max(0, peak + saved - bound)
 
 
-def rerun_peak(prof, start: int, end: int) -> int:
+def rerun_peak(prof, start: int, end: int, inputs=()) -> int:
     """NOTE [ Region plan ], 2: the model's own use (from its step's base) that backward would
     have reached in the step ``prof`` recorded (a ``Profile``: every eligible storage swapped,
     nothing recomputed) had the call that saved storages ``start`` to ``end - 1`` been
     recomputed: from the first unpack of one of them its rerun holds them all, each until its
-    last unpack, where swapping brought each back alone. 0 where none was unpacked.
+    last unpack, where swapping brought each back alone; and so the storages saved before it
+    that it was called with (``inputs``: the rerun starts from them), which swapping brought
+    back only at their own first unpack (a conv net's stage reads the last stage's output,
+    unpacked last in its backward). 0 where none was unpacked.
 
     Example::
 
-        rerun_peak(rec, call.start, call.end) + base > bound     # its rerun would not fit
+        rerun_peak(rec, call.start, call.end, call.inputs) + base > bound    # would not fit
     """
     points = len(prof.bwd_peak)
     uses = [(prof.first_use[i], prof.last_use[i], prof.sizes[i])
@@ -179,6 +183,8 @@ def rerun_peak(prof, start: int, end: int) -> int:
     # its last unpack.
     first = min(f for f, _, _ in uses)
     last = max(u for _, u, _ in uses) + 1
+    uses += [(first, prof.last_use[i], prof.sizes[i]) for i in set(inputs)
+             if i < start and i not in prof.live]
     peak = 0
     for j in range(min(first + 1, points - 1), min(last, points - 1) + 1):
         held = sum(size for _, u, size in uses if u >= j - 1)
@@ -188,14 +194,17 @@ def rerun_peak(prof, start: int, end: int) -> int:
 
 class SurveyCalls:
     """The survey step's calls of region modules (a region's first, and every child of a mixed
-    Sequential, whose stages are not known yet), each [its first save point, its end] (NOTE
-    [ Region plan ], 2); a region's calls run from its first module's to its last module's."""
+    Sequential, whose stages are not known yet), each [its first save point, its end, the
+    points of the storages saved before it that it was called with] (NOTE [ Region plan ], 2);
+    a region's calls run from its first module's to its last module's."""
 
     def __init__(self) -> None:
         self.calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def enter(self, module, point: int) -> None:
-        self.calls.setdefault(module, []).append([point, None])
+    def enter(self, module, engine, args: tuple, kwargs: Optional[dict]) -> None:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = engine.saved_points(tensors)
+        self.calls.setdefault(module, []).append([engine.save_point(), None, inputs])
 
     def leave(self, module, point: int) -> None:
         calls = self.calls.get(module)
@@ -215,8 +224,8 @@ class SurveyCalls:
             if any(m is None for m in modules):
                 continue
             spans = zip(self.calls.get(modules[0], ()), self.calls.get(modules[-1], ()))
-            peak = max((rerun_peak(prof, a[0], b[1]) for a, b in spans if b[1] is not None),
-                       default=0)
+            peak = max((rerun_peak(prof, a[0], b[1], a[2]) for a, b in spans
+                        if b[1] is not None), default=0)
             if base + peak > engine.mark:
                 region.unfit = (f"its rerun would hold {format_bytes(base + peak)} in backward, "
                                 f"over the bound ({format_bytes(engine.mark)})")

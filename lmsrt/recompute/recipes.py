@@ -238,6 +238,12 @@ class Recipe:
             if inp.recipe is not None and inp.recipe.retained is not None:
                 inp.recipe.let_go()
 
+    def input_points(self) -> tuple:
+        """The forward points of the saved storages a rebuild reads (``walk``'s entries that
+        the engine placed: engine/records.py)."""
+        return tuple(e.seq for e in (inp.entry for inp in self.walk())
+                     if e is not None and e.seq >= 0)
+
     def walk(self):
         """The inputs a rebuild reads: this recipe's, and for one that the engine did not save
         (no ``entry``) and made by a recipe, that recipe's, depth first."""

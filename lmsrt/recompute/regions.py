@@ -79,7 +79,8 @@ NOTE [ Region plan ]
   2. Where the excess is under 1/16 of the limit (or the link is free, the simulated device),
      nothing is recomputed and the hooks go idle. A region whose rerun would pass the bound is
      never recomputed (``SurveyCalls``; said): a rerun holds all its call saved from its first
-     unpack, each storage to its last, where swapping brought each back alone, and step 1
+     unpack, each storage to its last, and the saved storages it was called with, where
+     swapping brought each back alone, at its own first unpack; and step 1
      (every eligible storage swapped) says what use is there (a conv net at 85% of its peak
      ran out of memory in backward where it reran its 768 MiB stages, on an H200). Otherwise
      step 2 recomputes every region that fits and times its forward (CUDA events; wall time on
@@ -233,7 +234,7 @@ class Regions:
         region = self._of.get(module)
         if self.phase == "survey":          # its calls' spans of saves (NOTE [ Region plan ], 2)
             if region is not None or module in self.finder.scanned_children:
-                self._calls.enter(module, self.engine.save_point())
+                self._calls.enter(module, self.engine, args, kwargs)
             return None
         if region is None:
             return None
