@@ -217,9 +217,14 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     assert policy.correction == 60
     policy.begin_step(plan, base=0, first=100)
     assert plan.chosen == [True, True, False, False]
-    # Well under the bound with something offloaded: plan for half the unused room less.
-    policy.finish_step(plan, peak=400, **followed)
-    assert policy.correction == 60 - 100
+    # Well under its prediction with something offloaded: plan for half the difference less.
+    # Under the bound as predicted (the plan's grain, not its error): no correction.
+    predicted = policy.predicted_peak
+    assert predicted == 450
+    policy.finish_step(plan, peak=predicted - 5, **followed)
+    assert policy.correction == 60
+    policy.finish_step(plan, peak=predicted - 100, **followed)
+    assert policy.correction == 60 - 50
     # Allocator retries far under the bound are the cache filling up, and a couple near it
     # cost less than more headroom would; more of them near it raise the headroom. Clean steps
     # give it back, down to the floor.

@@ -29,8 +29,9 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      its use, which for the earliest storages is the end of backward); a kept storage is
      swapped anyway when use runs over the prediction by more than the plan's slack.
   4. Correct. A step whose peak passed the bound and the prediction plans for what the
-     prediction missed; a step that peaked well under it, half the unused room less (the
-     learning step's own use is not quite a planned step's). A peak predicted over the bound is
+     prediction missed; a step that peaked well under its prediction, for half the difference
+     less (the learning step's own use is not quite a planned step's); room under the bound
+     that the prediction saw is the plan's grain, not its error, and is left. A peak predicted over the bound is
      the model's own: nothing to correct. A step that had to swap a storage the plan keeps
      (use over its level in forward) shows the profile short there: the model's own use is
      raised from that point to the end of forward by what it missed, and the next plan
@@ -382,13 +383,17 @@ class AutoPolicy(LimitShares):
             # had given it back to 0.39.
             pressed = pressure > 0 and peak > bound - self.headroom
             self._clean = 0 if pressed else self._clean + 1
-            room = bound - peak
+            # Predicted high (the learning step's own use is not quite a planned step's): keep
+            # half what the prediction had too much from the next step. Room under the bound
+            # that the prediction saw is the plan's grain (the next storage kept would not have
+            # fitted), not an error: planning into it ran a conv net at 85% of its peak out of
+            # memory, its prediction 17 MB short of that step's peak (an H200).
+            room = min(bound, self.predicted_peak) - peak
             if room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2):
-                # Predicted high (the learning step's own use is not quite a planned step's):
-                # keep half the unused room's worth more from the next step.
                 self.correction = max(-(limit >> 2), self.correction - room // 2)
-                self.why = (f"the step peaked {room / gib:.2f} GiB under the bound: planning for "
-                            f"{self.correction / gib:+.2f} GiB against what was learnt")
+                self.why = (f"the step peaked {room / gib:.2f} GiB under its prediction: "
+                            f"planning for {self.correction / gib:+.2f} GiB against what was "
+                            "learnt")
             elif self._clean >= 4 and self.headroom > self.floor:
                 self.headroom = max(self.floor, self.headroom - (limit >> 7))
                 self._clean = 0
