@@ -217,10 +217,11 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     assert policy.correction == 60
     policy.begin_step(plan, base=0, first=100)
     assert plan.chosen == [True, True, False, False]
-    # Well under its prediction with something offloaded: plan for half the difference less.
-    # Under the bound as predicted (the plan's grain, not its error): no correction.
-    predicted = policy.predicted_peak
-    assert predicted == 450
+    # Well under its prediction (corrected: 450 + 60) with something offloaded: plan for half
+    # the difference less. Under the bound as predicted (the plan's grain, not its error): no
+    # correction.
+    assert policy.predicted_peak == 450
+    predicted = 450 + 60
     policy.finish_step(plan, peak=predicted - 5, **followed)
     assert policy.correction == 60
     policy.finish_step(plan, peak=predicted - 100, **followed)

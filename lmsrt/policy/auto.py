@@ -388,7 +388,7 @@ class AutoPolicy(LimitShares):
             # that the prediction saw is the plan's grain (the next storage kept would not have
             # fitted), not an error: planning into it ran a conv net at 85% of its peak out of
             # memory, its prediction 17 MB short of that step's peak (an H200).
-            room = min(bound, self.predicted_peak) - peak
+            room = min(bound, self.predicted_peak + self.correction) - peak
             if room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2):
                 self.correction = max(-(limit >> 2), self.correction - room // 2)
                 self.why = (f"the step peaked {room / gib:.2f} GiB under its prediction: "
