@@ -30,19 +30,18 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      swapped anyway when use runs over the prediction by more than the plan's slack.
   4. Correct. A step whose peak passed the bound and the prediction plans for what the
      prediction missed; a step that peaked well under its prediction, for half the difference
-     less (the learning step's own use is not quite a planned step's); room under the bound
-     that the prediction saw is the plan's grain, not its error, and is left. A peak predicted over the bound is
-     the model's own: nothing to correct. A step that had to swap a storage the plan keeps
-     (use over its level in forward) shows the profile short there: the model's own use is
-     raised from that point to the end of forward by what it missed, and the next plan
-     offloads earlier storages instead (``_learn_from``). The headroom (room the allocator
-     needs beside what is allocated) starts at limit/16; an allocation that failed at the limit
-     (a learning step's too) raises it by limit/64; more than two allocator retries a
-     step near the bound raise it by limit/64, undone if the next step retries as often (those
-     retries are the model's own, and count no more); after four clean steps (none with a
-     retry beyond the model's own near the bound) it gives back limit/128, down to limit/32,
-     or down to a step over the headroom at which a raise removed retries (no cycle of raise
-     and give-back).
+     less (the learning step's own use is not quite a planned step's); room under the bound that
+     the prediction saw is the plan's grain, not its error, and is left. A peak predicted over
+     the bound is the model's own: nothing to correct. A step that had to swap a storage the
+     plan keeps (use over its level in forward) shows the profile short there: the model's own
+     use is raised from that point to the end of forward by what it missed, and the next plan
+     offloads earlier storages instead (``_learn_from``). The headroom (room the allocator needs
+     beside what is allocated) starts at limit/16; an allocation that failed at the limit (a
+     learning step's too) raises it by limit/64; more than two allocator retries a step near the
+     bound raise it by limit/64, undone if the next step retries as often (those retries are the
+     model's own, and count no more); after four clean steps (none with a retry beyond the
+     model's own near the bound) it gives back limit/128, down to limit/32, or down to a step
+     over the headroom at which a raise removed retries (no cycle of raise and give-back).
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
      follows the plan). A step whose sequence differs is reactive: where it differs by a
      smaller storage it swaps what passes the bound less the largest growth the profile saw;
