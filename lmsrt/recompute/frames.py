@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import _get_current_function_mode_stack
+from torch.utils import _pytree
 from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -26,7 +27,7 @@ from ..options import spelled
 from .finder import BlockCall
 from .safety import ambient, as_called, generator_states, restore_ambient, updates_running_stats
 
-__all__ = ["Frame", "RERUNS", "rerun", "running_norms"]
+__all__ = ["Frame", "RERUNS", "flatten", "rerun", "running_norms"]
 
 _TURN_OFF = f"Turn recompute off (recompute=False, {spelled('recompute', False)})."
 
@@ -39,6 +40,33 @@ class _Reruns(threading.local):
 # a rerun calls (they would find nothing to do: no frame opens in backward, and the rerun's
 # calls nest inside any walk of a frame still open).
 RERUNS = _Reruns()
+
+
+# The leaves' spec, where this torch's pytree has what ``_flatten`` uses; else None.
+_LEAF = (getattr(_pytree, "_LEAF_SPEC", None)
+         if all(hasattr(_pytree, name) for name in ("tree_is_leaf", "_get_node_type",
+                                                     "SUPPORTED_NODES", "TreeSpec")) else None)
+
+
+def _flatten(node, leaves: list):
+    """``tree_flatten``'s work, as its own recursive helper does it, but a function of the module:
+    its helper is a closure made at each call that refers to itself through a cell, a cycle that
+    leaves garbage for the collector at every region call."""
+    if _pytree.tree_is_leaf(node):
+        leaves.append(node)
+        return _LEAF
+    node_type = _pytree._get_node_type(node)
+    children, context = _pytree.SUPPORTED_NODES[node_type].flatten_fn(node)
+    return _pytree.TreeSpec(node_type, context, [_flatten(child, leaves) for child in children])
+
+
+def flatten(tree) -> tuple:
+    """``tree_flatten(tree)``: its leaves and its spec, made without garbage where this torch's
+    pytree has the pieces ``_flatten`` uses."""
+    if _LEAF is None:
+        return tree_flatten(tree)
+    leaves: list = []
+    return leaves, _flatten(tree, leaves)
 
 
 def _device_ctx():
@@ -61,7 +89,7 @@ class Frame(BlockCall):
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             leaves, self.spec = list(args), None    # (tree_flatten's result, without its cost)
         else:
-            leaves, self.spec = tree_flatten((args, kwargs))
+            leaves, self.spec = flatten((args, kwargs))
         tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         # Tensors go through the engine's hooks (kept or swapped), the rest as they are now
         # (Rule 3: an object forward changes, transformers' DynamicCache, copied).
