@@ -115,7 +115,14 @@ class Frame(BlockCall):
         self.modes = state.modes()
         self.versions = state.versions()
         self.generators = state.generators()
-        self.meta: list = []          # per saved tensor: [counter, version, shape, dtype]
+        # Per saved tensor, by index: its alias (a version counter once dropped), the version it
+        # was saved at, its shape and dtype. Lists side by side, not a list per tensor: a tensor
+        # then adds no container of its own for the collector to track (its shape is a plain
+        # tuple of ints, which CPython stops tracking).
+        self.counters: list = []
+        self.saved_versions: list = []
+        self.shapes: list = []
+        self.dtypes: list = []
         self.saved: Dict[int, torch.Tensor] = {}   # held (forward, Rule 3) or parameters
         self.outer: Dict[int, object] = {}         # kept: the engine's handles (Rule 3)
         self.params: set = set()      # indices of parameters (and views of them): always kept
@@ -132,10 +139,12 @@ class Frame(BlockCall):
 
     def pack(self, t: torch.Tensor) -> int:
         # What autograd holds is the tensor's index: its unpack hook is this frame's own.
-        meta = self.meta
-        index = len(meta)
+        index = len(self.counters)
         alias = t.detach()
-        meta.append([alias, t._version, t.shape, t.dtype])
+        self.counters.append(alias)
+        self.saved_versions.append(t._version)
+        self.shapes.append(tuple(t.shape))
+        self.dtypes.append(t.dtype)
         self.saved[index] = alias
         base = t._base
         if base is None:
@@ -190,11 +199,11 @@ class Frame(BlockCall):
             self.keep()
             return True
         params, saved, dropped = self.params, self.saved, []
-        for index, meta in enumerate(self.meta):
+        for index, alias in enumerate(self.counters):
             if index not in params:
                 del saved[index]
-                dropped.append(meta[0])
-        counters_only(dropped)          # (the aliases in ``meta`` become counters in place)
+                dropped.append(alias)
+        counters_only(dropped)          # (the aliases in ``counters`` become counters in place)
         self.dropped = True
         return False
 
@@ -218,7 +227,7 @@ class Frame(BlockCall):
             if index not in self.params:
                 self.outer[index] = self.outer_pack(alias)
                 del self.saved[index]
-                self.meta[index][0] = counter_only(alias.detach())
+                self.counters[index] = counter_only(alias.detach())
         self.checking = checking
         self.inputs = None
         if not checking:
@@ -230,9 +239,9 @@ class Frame(BlockCall):
         self.checking, self.again, self.leaves = False, None, None
 
     def unpack(self, index: int) -> torch.Tensor:
-        counter, version, shape, _ = self.meta[index]
+        counter, version = self.counters[index], self.saved_versions[index]
         if counter._version != version:
-            raise modified_error("tensor", shape, None, counter._version, version,
+            raise modified_error("tensor", self.shapes[index], None, counter._version, version,
                                   f"was saved inside the recomputed region {self.region.name}")
         tensor = self.saved.get(index)
         if tensor is not None:
@@ -317,15 +326,15 @@ class _Collect:
 
     def __init__(self, frame: Frame):
         self.frame, self.index = frame, 0
-        self.left = sum(1 for i in range(len(frame.meta))
+        self.left = sum(1 for i in range(len(frame.counters))
                         if i not in frame.saved and (frame.checking or i not in frame.outer))
         frame.again = {}
 
     def pack(self, t: torch.Tensor) -> int:
         index, self.index = self.index, self.index + 1
         frame = self.frame
-        if index < len(frame.meta) and index not in frame.saved:
-            _, _, shape, dtype = frame.meta[index]
+        if index < len(frame.counters) and index not in frame.saved:
+            shape, dtype = frame.shapes[index], frame.dtypes[index]
             if t.shape != shape or t.dtype != dtype:
                 raise RuntimeError(
                     f"lmsrt: recomputing region {frame.region.name} saved a {t.dtype} tensor of "
