@@ -124,6 +124,9 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
             fits=self.policy.step_fits, room=self.policy.room_beside,
             part_bytes=max(self.limit >> 4, 64 << 10))
         self._dead: collections.deque = collections.deque()   # watches of dropped handles
+        # Every watch's callback, made once: a bound method made per watch is one more object
+        # per saved tensor for the collector to track from forward to backward.
+        self._dead_append = self._dead.append
         self._swapped_last = 0          # bytes the last finished step swapped or rebuilt
         self._lean_from = 0             # the first step that may be lean (boundaries.py)
         self._lean_ban = 8              # steps without lean ones once a lean step left the plan

@@ -54,7 +54,7 @@ class PackSide:
         """A handle for autograd, counted in ``s.watches`` in one step (NOTE [ Interrupts and
         versions ], a and b): until its watch is in the set, a lost handle frees nothing."""
         ref = SwapHandle(s, t, producer_of(t.grad_fn, t), thread)
-        watch = Watch(ref, self._dead.append)
+        watch = Watch(ref, self._dead_append)
         watch.storage, watch.generation = s, -1
         ref.watch = watch
         s.watches.add(id(watch))

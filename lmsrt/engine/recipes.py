@@ -141,12 +141,15 @@ class RecipeOffload:
         s.inputs = tuple(held)
         for entry in held:
             if type(entry) is Offloaded:
+                if not entry.needed_by:     # (the shared empty frozenset: a set of its own)
+                    entry.needed_by = set()
                 entry.needed_by.add(id(s))
 
     def _release_inputs(self, s: Offloaded) -> None:
         for entry in s.inputs:
             if type(entry) is Offloaded:
-                entry.needed_by.discard(id(s))
+                if entry.needed_by:
+                    entry.needed_by.discard(id(s))
                 if not entry.needed_by and not entry.watches and not entry.dead:
                     self._release(entry)
         s.inputs = ()

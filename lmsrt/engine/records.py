@@ -33,6 +33,9 @@ from ..host import HostSlot
 __all__ = ["Offloaded", "Kept", "KeptHandle", "SwapHandle", "Watch", "NotAtHand", "producer_of",
            "kept_handle", "counter_only", "counters_only", "modified_error", "bytes_of"]
 
+_NO_IDS = frozenset()
+
+
 class Offloaded:
     """One saved storage that is swapped out; its views come back as views of one restored copy."""
 
@@ -65,7 +68,9 @@ class Offloaded:
         self.recipe = None
         self.check = False
         self.inputs: tuple = ()         # what its recipe reads: entries it needs, kept storages
-        self.needed_by: set = set()     # ids of the storages whose recipes will read this one
+        # ids of the storages whose recipes will read this one: a set of its own once one does
+        # (``RecipeSide``), until then the empty frozenset, which the collector does not track
+        self.needed_by = _NO_IDS
         self.sample = None              # a few of its words, for a rebuild to match (params.py)
         # Deferred, never copied, kept for backward (NOTE [ Deferred copies ]): "held" while
         # lmsrt's (in ``HeldSources.bytes``), "used" once backward has every view; else None.
@@ -101,7 +106,8 @@ class SwapHandle:
     def __init__(self, storage: Offloaded, t: torch.Tensor, producer, thread: int):
         self.storage = storage
         self.watch = None
-        self.dtype, self.size = t.dtype, t.size()
+        # A plain tuple, not a torch.Size: CPython stops tracking a tuple of ints, never a Size.
+        self.dtype, self.size = t.dtype, tuple(t.shape)
         self.stride, self.offset = t.stride(), t.storage_offset()
         # Views share their base's version counter, and keep the base alive: while anything
         # could still modify these bytes in place, the base is there to say so.

@@ -33,6 +33,7 @@ class Profile:
         self.owned: dict = {}
         self.closed = False
         self._freed: collections.deque = collections.deque()   # _Freed refs, dead, unread
+        self._freed_append = self._freed.append     # (one callback for every reference)
 
     def _point(self) -> int:
         return len(self.fwd_own) + len(self.bwd_own)
@@ -54,7 +55,7 @@ class Profile:
         autograd frees a graph, so a Ctrl-C cannot land in one and be lost (NOTE [ Interrupts
         and versions ] in engine/records.py); the next point, or the close, reads the queue. The
         caller keeps the reference (a dead one calls nothing)."""
-        ref = _Freed(storage, self._freed.append)
+        ref = _Freed(storage, self._freed_append)
         ref.index = i
         return ref
 

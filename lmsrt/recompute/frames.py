@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import _get_current_function_mode_stack
+from torch.utils import _pytree
 from torch.utils._device import DeviceContext
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -26,7 +27,7 @@ from ..options import spelled
 from .finder import BlockCall
 from .safety import ambient, as_called, generator_states, restore_ambient, updates_running_stats
 
-__all__ = ["Frame", "RERUNS", "rerun", "running_norms"]
+__all__ = ["Frame", "RERUNS", "flatten", "rerun", "running_norms"]
 
 _TURN_OFF = f"Turn recompute off (recompute=False, {spelled('recompute', False)})."
 
@@ -39,6 +40,33 @@ class _Reruns(threading.local):
 # a rerun calls (they would find nothing to do: no frame opens in backward, and the rerun's
 # calls nest inside any walk of a frame still open).
 RERUNS = _Reruns()
+
+
+# The leaves' spec, where this torch's pytree has what ``_flatten`` uses; else None.
+_LEAF = (getattr(_pytree, "_LEAF_SPEC", None)
+         if all(hasattr(_pytree, name) for name in ("tree_is_leaf", "_get_node_type",
+                                                     "SUPPORTED_NODES", "TreeSpec")) else None)
+
+
+def _flatten(node, leaves: list):
+    """``tree_flatten``'s work, as its own recursive helper does it, but a function of the module:
+    its helper is a closure made at each call that refers to itself through a cell, a cycle that
+    leaves garbage for the collector at every region call."""
+    if _pytree.tree_is_leaf(node):
+        leaves.append(node)
+        return _LEAF
+    node_type = _pytree._get_node_type(node)
+    children, context = _pytree.SUPPORTED_NODES[node_type].flatten_fn(node)
+    return _pytree.TreeSpec(node_type, context, [_flatten(child, leaves) for child in children])
+
+
+def flatten(tree) -> tuple:
+    """``tree_flatten(tree)``: its leaves and its spec, made without garbage where this torch's
+    pytree has the pieces ``_flatten`` uses."""
+    if _LEAF is None:
+        return tree_flatten(tree)
+    leaves: list = []
+    return leaves, _flatten(tree, leaves)
 
 
 def _device_ctx():
@@ -61,7 +89,7 @@ class Frame(BlockCall):
         if not kwargs and all(type(a) is torch.Tensor for a in args):
             leaves, self.spec = list(args), None    # (tree_flatten's result, without its cost)
         else:
-            leaves, self.spec = tree_flatten((args, kwargs))
+            leaves, self.spec = flatten((args, kwargs))
         tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         # Tensors go through the engine's hooks (kept or swapped), the rest as they are now
         # (Rule 3: an object forward changes, transformers' DynamicCache, copied).
@@ -87,7 +115,14 @@ class Frame(BlockCall):
         self.modes = state.modes()
         self.versions = state.versions()
         self.generators = state.generators()
-        self.meta: list = []          # per saved tensor: [counter, version, shape, dtype]
+        # Per saved tensor, by index: its alias (a version counter once dropped), the version it
+        # was saved at, its shape and dtype. Lists side by side, not a list per tensor: a tensor
+        # then adds no container of its own for the collector to track (its shape is a plain
+        # tuple of ints, which CPython stops tracking).
+        self.counters: list = []
+        self.saved_versions: list = []
+        self.shapes: list = []
+        self.dtypes: list = []
         self.saved: Dict[int, torch.Tensor] = {}   # held (forward, Rule 3) or parameters
         self.outer: Dict[int, object] = {}         # kept: the engine's handles (Rule 3)
         self.params: set = set()      # indices of parameters (and views of them): always kept
@@ -104,10 +139,12 @@ class Frame(BlockCall):
 
     def pack(self, t: torch.Tensor) -> int:
         # What autograd holds is the tensor's index: its unpack hook is this frame's own.
-        meta = self.meta
-        index = len(meta)
+        index = len(self.counters)
         alias = t.detach()
-        meta.append([alias, t._version, t.shape, t.dtype])
+        self.counters.append(alias)
+        self.saved_versions.append(t._version)
+        self.shapes.append(tuple(t.shape))
+        self.dtypes.append(t.dtype)
         self.saved[index] = alias
         base = t._base
         if base is None:
@@ -162,11 +199,11 @@ class Frame(BlockCall):
             self.keep()
             return True
         params, saved, dropped = self.params, self.saved, []
-        for index, meta in enumerate(self.meta):
+        for index, alias in enumerate(self.counters):
             if index not in params:
                 del saved[index]
-                dropped.append(meta[0])
-        counters_only(dropped)          # (the aliases in ``meta`` become counters in place)
+                dropped.append(alias)
+        counters_only(dropped)          # (the aliases in ``counters`` become counters in place)
         self.dropped = True
         return False
 
@@ -190,7 +227,7 @@ class Frame(BlockCall):
             if index not in self.params:
                 self.outer[index] = self.outer_pack(alias)
                 del self.saved[index]
-                self.meta[index][0] = counter_only(alias.detach())
+                self.counters[index] = counter_only(alias.detach())
         self.checking = checking
         self.inputs = None
         if not checking:
@@ -202,9 +239,9 @@ class Frame(BlockCall):
         self.checking, self.again, self.leaves = False, None, None
 
     def unpack(self, index: int) -> torch.Tensor:
-        counter, version, shape, _ = self.meta[index]
+        counter, version = self.counters[index], self.saved_versions[index]
         if counter._version != version:
-            raise modified_error("tensor", shape, None, counter._version, version,
+            raise modified_error("tensor", self.shapes[index], None, counter._version, version,
                                   f"was saved inside the recomputed region {self.region.name}")
         tensor = self.saved.get(index)
         if tensor is not None:
@@ -289,15 +326,15 @@ class _Collect:
 
     def __init__(self, frame: Frame):
         self.frame, self.index = frame, 0
-        self.left = sum(1 for i in range(len(frame.meta))
+        self.left = sum(1 for i in range(len(frame.counters))
                         if i not in frame.saved and (frame.checking or i not in frame.outer))
         frame.again = {}
 
     def pack(self, t: torch.Tensor) -> int:
         index, self.index = self.index, self.index + 1
         frame = self.frame
-        if index < len(frame.meta) and index not in frame.saved:
-            _, _, shape, dtype = frame.meta[index]
+        if index < len(frame.counters) and index not in frame.saved:
+            shape, dtype = frame.shapes[index], frame.dtypes[index]
             if t.shape != shape or t.dtype != dtype:
                 raise RuntimeError(
                     f"lmsrt: recomputing region {frame.region.name} saved a {t.dtype} tensor of "

@@ -18,7 +18,7 @@ import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_leaves
 
 from ..units import format_bytes
 
@@ -202,7 +202,8 @@ class SurveyCalls:
         self.calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def enter(self, module, engine, args: tuple, kwargs: Optional[dict]) -> None:
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # (tree_leaves: tree_flatten's closure would leave a cycle of garbage at each call)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         inputs = engine.saved_points(tensors)
         self.calls.setdefault(module, []).append([engine.save_point(), None, inputs])
 
