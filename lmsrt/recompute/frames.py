@@ -69,6 +69,21 @@ def flatten(tree) -> tuple:
     return leaves, _flatten(tree, leaves)
 
 
+def _agrees() -> bool:
+    """Whether ``_flatten`` gives what this torch's ``tree_flatten`` gives (the pieces it uses
+    are private: a torch that builds its specs otherwise keeps torch's own function)."""
+    sample = ((1, [2, None]), {"a": (3,), "b": {"c": 4.0}}, BlockCall)
+    try:
+        leaves: list = []
+        return (leaves, _flatten(sample, leaves)) == tree_flatten(sample)
+    except Exception:  # noqa: BLE001 - anything this torch's pytree raises: not ours to use
+        return False
+
+
+if _LEAF is not None and not _agrees():
+    _LEAF = None
+
+
 def _device_ctx():
     """The ``torch.device`` context forward ran under, for the rerun (as torch's checkpoint)."""
     if not torch._C._len_torch_function_stack():
