@@ -122,18 +122,8 @@ def _run(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama", choices=("llama", "resnet"))
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=8, help="llama: its decoder layers")
-    ap.add_argument("--hidden", type=int, default=64, help="llama: its hidden size")
-    ap.add_argument("--seq", type=int, default=64, help="llama: tokens a sequence")
-    ap.add_argument("--blocks", default="3,8,36,3", help="resnet: Bottlenecks a stage")
-    ap.add_argument("--width", type=int, default=8, help="resnet: its stem's channels")
-    ap.add_argument("--size", type=int, default=32, help="resnet: an image's side, pixels")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cap", type=float, default=0.75,
-                    help="the simulated device's capacity, a share of a kept step's peak")
+    from overhead_models import add_workload_arguments
+    add_workload_arguments(ap, steps=10, layers=8, cap=0.75)
     ap.add_argument("--top", type=int, default=8, help="types shown per step in the JSON")
     # One run and pass, in this process:
     ap.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)

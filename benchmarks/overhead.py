@@ -43,7 +43,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from overhead_models import MODELS
+from overhead_models import MODELS, add_workload_arguments
 
 import lmsrt
 from lmsrt.device import SimulatedDevice
@@ -169,23 +169,12 @@ def split(stats: pstats.Stats, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama", choices=sorted(MODELS))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=24, help="llama: its decoder layers")
-    ap.add_argument("--hidden", type=int, default=64, help="llama: its hidden size")
-    ap.add_argument("--seq", type=int, default=64, help="llama: tokens a sequence")
-    ap.add_argument("--blocks", default="3,8,36,3", help="resnet: Bottlenecks a stage")
-    ap.add_argument("--width", type=int, default=8, help="resnet: its stem's channels")
-    ap.add_argument("--size", type=int, default=32, help="resnet: an image's side, pixels")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--cap", type=float, default=0.9,
-                    help="the simulated device's capacity, a share of a kept step's peak")
+    add_workload_arguments(ap, steps=30, layers=24, cap=0.9)
     ap.add_argument("--lms-frac", type=lambda v: v if v == "auto" else float(v), default=1.0,
                     help="lmsrt's lms_frac")
     ap.add_argument("--lms-kb", type=float, default=1, help="lmsrt's lms (least KB swapped)")
     ap.add_argument("--optimizer-state", default="gpu", choices=("gpu", "host", "auto"))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="cProfile this many more settled steps")
     ap.add_argument("--top", type=int, default=25, help="lmsrt functions shown")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODELS", "Workload", "Bottleneck", "ResNet"]
+__all__ = ["MODELS", "Workload", "Bottleneck", "ResNet", "add_workload_arguments"]
 
 
 class Workload(NamedTuple):
@@ -135,3 +135,20 @@ def resnet(args) -> Workload:
 
 
 MODELS = {"llama": llama, "resnet": resnet}
+
+
+def add_workload_arguments(ap, steps: int, layers: int, cap: float) -> None:
+    """The options that pick a workload of ``MODELS``, its shape and the simulated device's
+    capacity, for a benchmark that trains one (``ap``: an ``argparse.ArgumentParser``)."""
+    ap.add_argument("--model", default="llama", choices=sorted(MODELS))
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--layers", type=int, default=layers, help="llama: its decoder layers")
+    ap.add_argument("--hidden", type=int, default=64, help="llama: its hidden size")
+    ap.add_argument("--seq", type=int, default=64, help="llama: tokens a sequence")
+    ap.add_argument("--blocks", default="3,8,36,3", help="resnet: Bottlenecks a stage")
+    ap.add_argument("--width", type=int, default=8, help="resnet: its stem's channels")
+    ap.add_argument("--size", type=int, default=32, help="resnet: an image's side, pixels")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cap", type=float, default=cap,
+                    help="the simulated device's capacity, a share of a kept step's peak")
