@@ -228,6 +228,9 @@ def test_a_peer_that_fits_is_taken_from_its_uncapped_run():
     assert matrix.first_cost([2.0] + [1.0] * 39, skip=1) == pytest.approx(1.0)
     assert matrix.first_cost([9.0, 2.0] + [1.0] * 38, skip=1) == pytest.approx(31 / 30)
     assert matrix.settled([9.0] * 30 + [1.0] * 10) == 1.0
+    # The first 30 steps' seconds against the peer's: its slow first step counts there too.
+    assert matrix.first_against([2.0] + [1.0] * 39, [5.0] + [1.0] * 39) == pytest.approx(31 / 34)
+    assert matrix.first_against([1.0] * 20, [1.0] * 40) is None
 
 
 def test_the_matrix_runs_the_hf_client_under_lmsrt_run_unchanged(tmp_path):

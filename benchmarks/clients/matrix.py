@@ -20,7 +20,9 @@ Per row: the outcome, the settled step (median of the last 10) and its CPU time 
 process's threads, median of the last 10: near the step's time, the host is the limit), x
 uncapped (over plain's settled step), x peer (over the peer's at the same cap), the first-30 cost
 (the first 30 steps over 30 settled ones) and 2-31 (the same from step 2: step 1 starts CUDA's
-libraries and builds what the script builds lazily, with or without lmsrt), the peak
+libraries and builds what the script builds lazily, with or without lmsrt), the first 30 steps'
+seconds over the peer's first 30 at the same cap (what a user waits for either way: a peer
+whose first steps search cuDNN's algorithms pays for them there), the peak
 (torch.cuda.max_memory_allocated), and from lmsrt's --stats the bytes moved, rebuilt and
 recomputed in the last step, and the optimizer state it kept in host memory ("state GiB").
 Writes clients.json and clients.md to --out, and each run's JSON, stats and log under
@@ -276,12 +278,21 @@ def ratios(rows: List[dict]) -> None:
         row["x_uncapped"] = step / plain["settled_s"] if step and plain else None
         row["x_peer"] = (step / peer["settled_s"] if step and peer and row["method"] != "peer"
                          else None)
+        row["first30_x_peer"] = (first_against(row["step_times_s"], peer["step_times_s"])
+                                 if step and peer and row["method"] != "peer" else None)
+
+
+def first_against(times: List[float], peer: List[float]) -> Optional[float]:
+    """The first 30 steps' seconds over the peer's first 30 (None where either ran fewer)."""
+    if min(len(times), len(peer)) < FIRST_STEPS:
+        return None
+    return sum(times[:FIRST_STEPS]) / sum(peer[:FIRST_STEPS])
 
 
 def table(rows: List[dict]) -> str:
     head = ["client", "cap", "method", "outcome", "settled s", "CPU s", "x uncapped", "x peer",
-            "first-30", "2-31", "peak GiB", "moved GiB", "rebuilt GiB", "recomp. GiB",
-            "state GiB"]
+            "first-30", "2-31", "first-30 x peer", "peak GiB", "moved GiB", "rebuilt GiB",
+            "recomp. GiB", "state GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ok = r["outcome"] == "ok"
@@ -292,6 +303,7 @@ def table(rows: List[dict]) -> str:
                  _num(r.get("cpu_s") if ok else None, 3), _num(r.get("x_uncapped"), 2, "x"),
                  _num(r.get("x_peer"), 2, "x"), _num(r.get("first30") if ok else None, 2, "x"),
                  _num(r.get("after1") if ok else None, 2, "x"),
+                 _num(r.get("first30_x_peer"), 2, "x"),
                  _num(r.get("peak_gib"), 2), _num(r.get("moved_gib"), 2),
                  _num(r.get("rebuilt_gib"), 2), _num(r.get("recomputed_gib"), 2),
                  _num(r.get("state_gib"), 2)]
