@@ -110,13 +110,8 @@ class StepBoundaries:
     def saved_points(self, tensors) -> list:
         """The forward points of the storages of ``tensors`` that this step has saved and
         swapped so far (a region's inputs in the survey step: NOTE [ Region plan ], 2)."""
-        points = []
-        for t in tensors:
-            storage = t.untyped_storage()
-            entry = self.state.by_ptr.get(storage.data_ptr())
-            if type(entry) is Offloaded and entry.storage_ref() is storage:
-                points.append(entry.seq)
-        return points
+        entries = (self._entry_of(t) for t in tensors)       # (engine/recipes.py)
+        return [e.seq for e in entries if type(e) is Offloaded]
 
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step

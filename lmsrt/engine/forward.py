@@ -156,7 +156,7 @@ class PackSide:
             recipe = self.rebuilds.usable(t, self._available)
             if recipe is not None:
                 st.sigs[index] = (recipe.signature, recipe.input_points())
-                if index in plan.swapped and planned:
+                if planned and index in plan.swapped:
                     recipe = None           # its rebuild would not fit: moved (plan.py)
         level = 0 if planned else policy.swap_at(plan, index)
         hold = policy.hold_to(plan, index)
