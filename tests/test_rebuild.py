@@ -603,6 +603,27 @@ def test_where_part_must_move_rebuilt_bytes_come_off_what_moves(lms_frac):
     assert rebuilt > 0 and on < off, moved
 
 
+def test_a_rebuilds_inputs_read_early_must_fit_together():
+    """Storage 2, rebuilt at backward point 0 from storages 0 and 1 (unpacked at points 3 and
+    2), holds both from there: 50 + 50 over the 50 there, which fits under 160 and not under
+    140, though either input alone would."""
+    from lmsrt.policy.planner import choose_offloads
+    from lmsrt.policy.profile import Profile
+    prof = Profile()
+    for size, peak in ((50, 0), (50, 200), (100, 200)):
+        prof.record(False, used=0, peak=peak, lmsrt_before=0, lmsrt_now=0, nbytes=size)
+    for peak in (100, 50, 50, 50):
+        prof.record(True, used=0, peak=peak, lmsrt_before=0, lmsrt_now=0)
+    for i, j in ((2, 0), (1, 2), (0, 3)):
+        prof.used_at(i, j)
+    offload, peaks, _, swapped = choose_offloads(prof, set(), {2: (0, 1)}, 160)
+    assert offload == [True, True, True] and not swapped
+    assert peaks[3:] == [100, 150, 150, 100]
+    offload, peaks, _, swapped = choose_offloads(prof, set(), {2: (0, 1)}, 140)
+    assert offload == [True, True, True] and swapped == {2}
+    assert peaks[3:] == [100, 50, 50, 50]
+
+
 def test_a_rebuildable_storage_the_plan_moves_is_copied_not_rebuilt(monkeypatch):
     """Where a rebuild's inputs would not fit before their own use, the planner moves the
     storage instead (``choose_offloads``' swapped): the planned steps then copy every

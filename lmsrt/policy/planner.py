@@ -64,7 +64,7 @@ def choose_offloads(prof: Profile, live: set, rebuildable,
         offload[k] = True
         if k in rebuildable:
             early = _read_early(prof, k, reads.get(k, ()), live, kept)
-            if all(_fits(peaks, [span], nbytes, budget) for span, nbytes in early):
+            if _fit_together(peaks, early, budget):
                 for span, nbytes in early:
                     _add(peaks, [span], nbytes)
             else:
@@ -74,6 +74,20 @@ def choose_offloads(prof: Profile, live: set, rebuildable,
 
 def _fits(peaks: List[int], spans: list, size: int, budget: int) -> bool:
     return all(max(peaks[a:b + 1], default=0) + size <= budget for a, b in spans)
+
+
+def _fit_together(peaks: List[int], extra: list, budget: int) -> bool:
+    """Whether ``extra`` (((first, last) point, bytes) pairs, whose spans may overlap: a
+    rebuild's inputs all start at its first unpack) fits on ``peaks`` under ``budget`` at once."""
+    if not extra:
+        return True
+    lo = min(a for (a, _), _ in extra)
+    hi = max(b for (_, b), _ in extra)
+    added = [0] * (hi - lo + 1)
+    for (a, b), nbytes in extra:
+        for j in range(a, b + 1):
+            added[j - lo] += nbytes
+    return all(peaks[j] + add <= budget for j, add in zip(range(lo, hi + 1), added) if add)
 
 
 def _add(peaks: List[int], spans: list, size: int) -> None:
