@@ -37,11 +37,12 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      use is raised from that point to the end of forward by what it missed, and the next plan
      offloads earlier storages instead (``_learn_from``). The headroom (room the allocator needs
      beside what is allocated) starts at limit/16; an allocation that failed at the limit (a
-     learning step's too) raises it by limit/64; more than two allocator retries a step near the
-     bound raise it by limit/64, undone if the next step retries as often (those retries are the
-     model's own, and count no more); after four clean steps (none with a retry beyond the
-     model's own near the bound) it gives back limit/128, down to limit/32, or down to a step
-     over the headroom at which a raise removed retries (no cycle of raise and give-back).
+     learning step's too) raises it by limit/64; so does a step with an allocator retry (the
+     allocator freed its cache and synchronised to go on: 12-17 ms each, far more than the
+     block that more headroom reruns or moves), undone if the next step retries as often
+     (those retries are the model's own, and count no more); after four clean steps (none with
+     a retry beyond the model's own) it gives back limit/128, down to limit/32, or down to a
+     step over the headroom at which a raise removed retries (no cycle of raise and give-back).
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
      follows the plan). A step whose sequence differs is reactive: where it differs by a
      smaller storage it swaps what passes the bound less the largest growth the profile saw;
@@ -81,7 +82,6 @@ from .protocol import LimitShares
 __all__ = ["AutoPolicy"]
 
 _RELEARN = 16      # AutoPolicy learns a changed sequence again at most this often (steps)
-_RETRIES = 2       # AutoPolicy leaves more headroom past this many allocator retries a step
 _REPLAN = 8        # AutoPolicy plans again when its budget moved by limit >> _REPLAN
 _MISSED = 6        # and learns from a forward point whose use it missed by more than limit >> this
 
@@ -95,7 +95,7 @@ class AutoPolicy(LimitShares):
         policy.learning                 # True: the first step learns the model's own use
     """
 
-    adapts_to_retries = True           # more headroom for retries near the bound (4)
+    adapts_to_retries = True           # more headroom for allocator retries (4)
     pins_for_deferred = False          # a step under half the limit keeps what it defers
 
     def __init__(self, limit: int, window: int):
@@ -349,13 +349,16 @@ class AutoPolicy(LimitShares):
         pressure = retries - self._own_retries      # retries that lmsrt's holdings may cause
         if failures and not beyond:
             self._failed(failures)
-        elif pressure > _RETRIES and peak > bound - self.headroom and not beyond:
-            # The allocator freed its cache to go on (a device sync) near the bound, more than
-            # a couple of times: leave it more room. Retries far under the bound are the cache
-            # filling up, not pressure lmsrt makes (measured: two a step at 14.3 GiB of an 18
-            # GiB cap on an LM); two a step near it cost less than the bytes that more headroom
-            # moves (measured on the LM at 18 GiB: 0.56 s a step at 1.1 GiB of headroom, 0.60 s
-            # once two retries a step had raised it to 2 GiB, still with two).
+        elif pressure > 0 and peak > bound - self.headroom and not beyond:
+            # The allocator freed its cache to go on (a device sync) near the bound: leave it
+            # more room. One such retry cost 12-17 ms of a step on an H200 (Lightning's GPT at a
+            # 14.2 GiB cap: 0.175 s with one, 0.162 without; two a step, 0.19-0.21 s), where the
+            # bytes limit/64 more headroom frees are a block's rerun (~1 ms) or a copy the link
+            # mostly hides. A raise that removes none of them is undone by the next step (the
+            # model's own, above: an LM at 18 GiB retried twice a step at 1.1 GiB of headroom and
+            # at 2). Retries far under the bound are the cache filling up, not pressure lmsrt
+            # makes (two a step at 14.3 GiB of an 18 GiB cap on an LM), and more headroom would
+            # not change the plan that led to them.
             self._raised = (retries, self.headroom)
             self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
             self._clean = 0
