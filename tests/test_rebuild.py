@@ -745,6 +745,38 @@ def test_rebuilding_stops_for_the_run_where_the_recorder_costs_more_than_it_save
     lms.close()
 
 
+def test_the_recorder_is_judged_by_the_copies_the_link_could_not_hide(monkeypatch):
+    """The recorder's Python is weighed against the step time that copying its rebuilt bytes
+    instead would add, not against the copies' whole time: under a forward long enough to hide
+    them it goes (resnet152 at 12 GiB on an H200: 1.2 GiB rebuilt, ~20 ms of recorder a step,
+    0.25 s a step against 0.19 without it); where the passes are short, or the link is full
+    already, it stays."""
+    from lmsrt.recompute import regions
+    from lmsrt.recompute.rebuilds import Rebuilds, exposed
+    from lmsrt.stats import StepStats
+
+    gib = 1 << 30
+    assert exposed(0, gib, 50e9, 0.08) == 0.0                       # 21 ms under 80 ms
+    assert exposed(0, gib, 50e9, 0.01) == pytest.approx(gib / 50e9 - 0.01)
+    assert exposed(4 * gib, gib, 50e9, 0.08) == pytest.approx(gib / 50e9)   # link full already
+    monkeypatch.setattr(regions, "link_bandwidth", lambda device: 50e9)
+    monkeypatch.setattr(lmsrt.say, "_said", set())              # said once: again here
+    step = StepStats(rebuilt_bytes=gib, rebuilt_tensors=10)
+
+    def judged(forward_s, step_s, ops=400, out=0):
+        rebuilds = Rebuilds(SimulatedDevice(capacity=gib), lambda t: None)
+        rebuilds.dispatch_s = 50e-6                                 # a GPU host's cost an op
+        rebuilds.dispatched[0] = ops
+        step.out_bytes = step.in_bytes = out
+        return rebuilds.judge_recorder(step, forward_s, step_s)
+
+    with says("rebuilding saved tensors costs more"):
+        assert not judged(0.08, 0.2)             # 20 ms of Python, the copies hidden: off
+    assert judged(0.005, 0.01)                   # short passes: the copies would show
+    assert judged(0.08, 0.2, out=4 * gib)        # the link is busy already
+    assert judged(0.08, 0.2, ops=100)            # 5 ms of Python is not material
+
+
 # -- what the engine must not rebuild, and what must not break -------------------------------
 
 class _ScaledInPlace(torch.nn.Module):

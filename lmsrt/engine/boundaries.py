@@ -41,7 +41,7 @@ class StepState:
     __slots__ = ("index", "by_ptr", "base", "keeps_all", "lean", "largest", "sigs", "beyond_plan",
                  "over",
                  "rec", "rec_lmsrt", "step_peak", "deferred_kept", "forward_end_use", "bwd_point",
-                 "retries_before", "failures_before", "cpu_before")
+                 "retries_before", "failures_before", "cpu_before", "began", "forward_s")
 
     def __init__(self, retries_before: int = 0, failures_before: int = 0):
         self.index = 0                 # storages saved in this forward
@@ -63,6 +63,8 @@ class StepState:
         self.retries_before = retries_before      # the allocator's retry count as it began
         self.failures_before = failures_before    # and its count of failed allocations
         self.cpu_before = time.process_time()     # and the process's CPU seconds
+        self.began = time.perf_counter()          # and wall time
+        self.forward_s = 0.0           # wall seconds of its forward, once over
 
 
 class StepBoundaries:
@@ -208,6 +210,7 @@ class StepBoundaries:
             if not self._forward_open:
                 return
             self._forward_open = False
+            self.state.forward_s = time.perf_counter() - self.state.began
             if self._armed:
                 self._absorb(entries=False)
             if self.rebuilds is not None and self.rebuilds.retaining:
@@ -283,8 +286,9 @@ class StepBoundaries:
         s.rebuild_ms, s.rebuild_checks, mismatched = self.rebuilds.finish_step()
         if mismatched:
             self.diagnostics.rebuild_mismatch(mismatched)
-        if not self.rebuilds.judge_recorder(s.rebuilt_bytes if self.plan.planned else 0,
-                                            s.rebuilt_tensors):
+        st = self.state
+        if not self.rebuilds.judge_recorder(s if self.plan.planned else StepStats(),
+                                            st.forward_s, time.perf_counter() - st.began):
             return {}
         trusted = self.rebuilds.trusted
         return {i: reads for i, (sig, reads) in self.state.sigs.items() if sig in trusted}
