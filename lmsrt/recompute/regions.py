@@ -139,6 +139,7 @@ __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BA
 SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
                                # sets ``Regions.bandwidth`` to make them cost)
 _PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
+_PROBED: dict = {}       # device index -> the bandwidth its probe measured
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
 
 
@@ -574,13 +575,13 @@ def _module_hooks(me) -> list:
                                                            always_call=True)]
 
 
-def link_bandwidth(device, _probed: dict = {}) -> float:     # noqa: B006 - the probes made
+def link_bandwidth(device) -> float:
     """Pinned device-to-host copy bandwidth, bytes/s: one probe per device and process, when a
     plan first needs it (the simulated device's copies take no time: ``SIM_BANDWIDTH``)."""
-    if device.kind != "sim" and device.index not in _probed:
-        _probed[device.index] = copy_bandwidth(device.index, _PROBE_BYTES, reps=4,
+    if device.kind != "sim" and device.index not in _PROBED:
+        _PROBED[device.index] = copy_bandwidth(device.index, _PROBE_BYTES, reps=4,
                                                directions=("d2h",))["d2h"]
-    return SIM_BANDWIDTH if device.kind == "sim" else _probed[device.index]
+    return SIM_BANDWIDTH if device.kind == "sim" else _PROBED[device.index]
 
 
 def _ignore(step: int) -> None:
