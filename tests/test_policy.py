@@ -242,6 +242,28 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     assert policy.headroom == policy.floor < raised
 
 
+def test_a_prediction_corrected_under_the_bound_is_not_beyond_it():
+    """A profile learnt too high (its prediction corrected down by what steps showed) predicts
+    a peak over the bound only uncorrected: allocator retries near the bound still raise the
+    headroom (Lightning's GPT at a 14.2 GiB cap on an H200: two a step, none answered)."""
+    limit = 1 << 30
+    policy = AutoPolicy(limit=limit, window=1 << 30)
+    policy.learning = False
+    plan = OffloadPlan()
+    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    policy.correction = -(limit >> 3)
+    policy.predicted_peak = policy.bound + (limit >> 4)             # as learnt: over it
+    start = policy.headroom
+    policy.finish_step(plan, peak=policy.bound - 1, retries=2, **near)
+    assert policy.headroom == start + (limit >> 6), policy.why
+    policy.predicted_peak = policy.bound + (limit >> 2)             # over it as corrected too
+    policy.finish_step(plan, peak=policy.bound - 1, retries=4, **near)
+    assert policy.headroom == start, policy.why                     # the first raise undone
+    raised = policy.headroom
+    policy.finish_step(plan, peak=policy.bound - 1, retries=6, **near)
+    assert policy.headroom == raised, policy.why                    # and no raise: the model's
+
+
 def test_retries_that_more_headroom_does_not_remove_are_the_models_own():
     """A conv net's allocator retries 4-5 times a step whatever the headroom (cuDNN asking for
     workspaces): a raise for them is undone when the next step retries as often, and from then

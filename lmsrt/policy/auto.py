@@ -327,8 +327,11 @@ class AutoPolicy(LimitShares):
         self._since_learnt += 1
         limit, bound, gib = self.limit, self.bound, GiB
         # A plan that predicted a peak over the bound moves all it can already: what is left is
-        # the model's own, and neither more headroom nor more correction would change it.
-        beyond = self.predicted_peak > bound
+        # the model's own, and neither more headroom nor more correction would change it. (Its
+        # prediction as corrected: one that learnt too high, corrected down, fits. Read without
+        # the correction, Lightning's GPT at a 14.2 GiB cap, predicted 3.3 GiB over its peak,
+        # was "beyond" every step, and its two allocator retries a step raised nothing.)
+        beyond = self.predicted_peak + self.correction > bound
         raised, self._raised = self._raised, None
         if raised is not None and retries < raised[0]:
             # More headroom removed retries: the headroom they came at is too little, and is
