@@ -39,8 +39,10 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      beside what is allocated) starts at limit/16; an allocation that failed at the limit (a
      learning step's too) raises it by limit/64; so does a step with an allocator retry (the
      allocator freed its cache and synchronised to go on: 12-17 ms each, far more than the
-     block that more headroom reruns or moves), undone if the next step retries as often
-     (those retries are the model's own, and count no more); after four clean steps (none with
+     block that more headroom reruns or moves), undone if the next step, its plan holding less
+     for it, retries as often (those retries are the model's own, and count no more; a raise
+     the plan's slack absorbed says nothing of them); a step that retried near the bound lowers
+     no correction; after four clean steps (none with
      a retry beyond the model's own) it gives back limit/128, down to limit/32, or down to a
      step over the headroom at which a raise removed retries (no cycle of raise and give-back).
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
@@ -339,11 +341,16 @@ class AutoPolicy(LimitShares):
             # 0.66 to 0.50 GiB every fourth clean step, 3 retries a step there, and 0.20 s a
             # step against 0.15 until raised: a third of the steps ran at the slower plan).
             self.floor = max(self.floor, raised[1] + (limit >> 7))
-        if raised is not None and retries >= raised[0] and not failures:
-            # More headroom removed none of the retries: they are the model's own, and cost the
-            # same at any headroom (measured on a conv net at a 12 GiB cap: 4-5 a step at 0.75
-            # GiB of headroom and at 1.5, and at lms_frac 0.6 with 0.32 GiB; raised for them
-            # step after step, auto moved 5.9 GiB a step where 0.6 moves 3.1).
+        if (raised is not None and retries >= raised[0] and not failures
+                and self.predicted_peak < raised[2]):
+            # More headroom, and a plan that holds less for it, removed none of the retries:
+            # they are the model's own, and cost the same at any headroom (measured on a conv
+            # net at a 12 GiB cap: 4-5 a step at 0.75 GiB of headroom and at 1.5, and at
+            # lms_frac 0.6 with 0.32 GiB; raised for them step after step, auto moved 5.9 GiB a
+            # step where 0.6 moves 3.1). A raise the plan did not answer (it kept as much: the
+            # room was in its slack) says nothing of them, and stays: Lightning's GPT at a 14.2
+            # GiB cap took two retries a step for its own after one raise of limit/64 that left
+            # its plan as it was.
             self._own_retries = retries
             self.headroom = raised[1]
             self.why = (f"{retries} allocator retries a step with more headroom as without: "
@@ -362,7 +369,7 @@ class AutoPolicy(LimitShares):
             # at 2). Retries far under the bound are the cache filling up, not pressure lmsrt
             # makes (two a step at 14.3 GiB of an 18 GiB cap on an LM), and more headroom would
             # not change the plan that led to them.
-            self._raised = (retries, self.headroom)
+            self._raised = (retries, self.headroom, self.predicted_peak)
             self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
             self._clean = 0
             self.why = (f"the allocator freed its cache {retries} time(s) to go on near the "
@@ -394,7 +401,13 @@ class AutoPolicy(LimitShares):
             # fitted), not an error: planning into it ran a conv net at 85% of its peak out of
             # memory, its prediction 17 MB short of that step's peak (an H200).
             room = min(bound, self.predicted_peak + self.correction) - peak
-            if room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2):
+            # Not after a step the allocator retried in near the bound: the plan held too much
+            # for it already (Lightning's GPT at 14.2 GiB: a correction lowered step after step
+            # as each peaked ~1 GiB under its prediction, the plan keeping more each time, until
+            # two retries a step at 12.7 GiB; the raise for the first was undone by the same
+            # step's lower correction).
+            if (room > limit >> 6 and self._cutoff > 0 and self.correction > -(limit >> 2)
+                    and not pressed):
                 self.correction = max(-(limit >> 2), self.correction - room // 2)
                 self.why = (f"the step peaked {room / gib:.2f} GiB under its prediction: "
                             f"planning for {self.correction / gib:+.2f} GiB against what was "
