@@ -42,9 +42,9 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      block that more headroom reruns or moves), undone if the next step, its plan holding less
      for it, retries as often (those retries are the model's own, and count no more; a raise
      the plan's slack absorbed says nothing of them); a step that retried near the bound lowers
-     no correction; after four clean steps (none with
-     a retry beyond the model's own) it gives back limit/128, down to limit/32, or down to a
-     step over the headroom at which a raise removed retries (no cycle of raise and give-back).
+     no correction; after four clean steps (none with a retry beyond the model's own) it gives
+     back limit/128, down to limit/32, or down to a step over the headroom at which a raise
+     removed retries (no cycle of raise and give-back).
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
      follows the plan). A step whose sequence differs is reactive: where it differs by a
      smaller storage it swaps what passes the bound less the largest growth the profile saw;
