@@ -751,7 +751,7 @@ def test_the_recorder_is_judged_by_the_copies_the_link_could_not_hide(monkeypatc
     them it goes (resnet152 at 12 GiB on an H200: 1.2 GiB rebuilt, ~20 ms of recorder a step,
     0.25 s a step against 0.19 without it); where the passes are short, or the link is full
     already, it stays."""
-    from lmsrt.recompute import regions
+    from lmsrt.recompute import plan as spans
     from lmsrt.recompute.rebuilds import Rebuilds, exposed
     from lmsrt.stats import StepStats
 
@@ -759,7 +759,7 @@ def test_the_recorder_is_judged_by_the_copies_the_link_could_not_hide(monkeypatc
     assert exposed(0, gib, 50e9, 0.08) == 0.0                       # 21 ms under 80 ms
     assert exposed(0, gib, 50e9, 0.01) == pytest.approx(gib / 50e9 - 0.01)
     assert exposed(4 * gib, gib, 50e9, 0.08) == pytest.approx(gib / 50e9)   # link full already
-    monkeypatch.setattr(regions, "link_bandwidth", lambda device: 50e9)
+    monkeypatch.setattr(spans, "link_bandwidth", lambda device: 50e9)
     monkeypatch.setattr(lmsrt.say, "_said", set())              # said once: again here
     step = StepStats(rebuilt_bytes=gib, rebuilt_tensors=10)
 

@@ -177,7 +177,7 @@ class CompileAdvice:
 
     def __init__(self, engine, say: Callable[[str, str], None]):
         # (Imported here: regions.py imports the engine, whose diagnostics.py imports this.)
-        from .regions import SIM_BANDWIDTH
+        from .plan import SIM_BANDWIDTH
         self.engine, self.say = engine, say
         self.ready = False             # blocks are compiled from now on
         self.whole = False             # or, the step fitting, the model whole (Rule 8)
@@ -224,7 +224,7 @@ class CompileAdvice:
         engine = self.engine
         saved, excess = over_bound(engine.current_step(), engine.mark)
         if self.bandwidth is None:
-            from .regions import link_bandwidth
+            from .plan import link_bandwidth
             self.bandwidth = link_bandwidth(engine.device)
         # Compiled blocks' saves are fused kernels' outputs: none is rebuilt.
         self.figures = StepFigures(excess, saved, 0, 0.0, 0.0, self.bandwidth)

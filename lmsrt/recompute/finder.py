@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .plan import UNCALLED
 from .safety import BlockState
 
 __all__ = ["BlockCall", "BlockFinder", "Region", "blocks_line", "repeated_children"]
@@ -236,13 +237,13 @@ def _spans(regions: List[Region]) -> str:
     return "; ".join(parts)
 
 
-
-
 def blocks_line(found: List[Region]) -> str:
     """What is said once: "lmsrt: 24 repeated blocks (model.layers[0..23], LlamaDecoderLayer);
     refused: ..." (NOTE [ Recomputed regions ], Rule 6)."""
     refused = [f"{r.name}: {r.why}" for r in found if not r.usable]
-    unfit = [f"{r.name}: {r.unfit}" for r in found if r.usable and r.unfit]
+    unfit = [f"{r.name}: {r.unfit}" for r in found if r.usable and r.unfit not in ("", UNCALLED)]
+    theirs = [r for r in found if r.usable and r.unfit == UNCALLED]
     return (f"lmsrt: {len(found)} repeated blocks ({_spans(found)})"
             + (f"; refused: {'; '.join(refused)}" if refused else "; none refused")
+            + (f"; left to the script's own checkpointing: {_spans(theirs)}" if theirs else "")
             + (f"; too large to rerun: {'; '.join(unfit)}" if unfit else ""))

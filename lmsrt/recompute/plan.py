@@ -1,6 +1,6 @@
 """The region plan as data (regions.py, NOTE [ Region plan ]): what a step's figures say about
 which regions to recompute, and how much compiled blocks may keep (compiled.py, NOTE [ Regions
-under LMS ], Rule 7).
+under LMS ], Rule 7); the link's speed they are weighed by (``link_bandwidth``).
 
 Example::
 
@@ -20,12 +20,19 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ..device import copy_bandwidth
 from ..units import format_bytes
 
 __all__ = ["StepFigures", "calibrated", "checked", "choose_regions", "end_region", "end_span",
-           "mark_span", "memory_budget", "over_bound", "rerun_peak", "SurveyCalls", "timed_order",
-           "LEAST_BUDGET"]
+           "link_bandwidth", "mark_span", "memory_budget", "over_bound", "rerun_peak",
+           "SurveyCalls", "timed_order", "LEAST_BUDGET", "SIM_BANDWIDTH", "UNCALLED"]
 
+SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
+                               # sets ``Regions.bandwidth`` to make them cost)
+_PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
+_PROBED: dict = {}       # device index -> the bandwidth its probe measured
+UNCALLED = ("its calls ran inside the script's own checkpointing (or another saved-tensor "
+            "hook), where lmsrt leaves them")
 LEAST_BUDGET = 0.1      # memory_budget's floor: below it the partitioner keeps little more than
                         # the blocks' inputs, and what must still leave is moved
 _BUDGET_STEP = 0.05     # budgets are rounded down to this: one said, compiled and cached value
@@ -145,6 +152,15 @@ def checked(figures: StepFigures, step) -> Tuple[StepFigures, List[str]]:
     return figures, said
 
 
+def link_bandwidth(device) -> float:
+    """Pinned device-to-host copy bandwidth, bytes/s: one probe per device and process, when a
+    plan first needs it (the simulated device's copies take no time: ``SIM_BANDWIDTH``)."""
+    if device.kind != "sim" and device.index not in _PROBED:
+        _PROBED[device.index] = copy_bandwidth(device.index, _PROBE_BYTES, reps=4,
+                                               directions=("d2h",))["d2h"]
+    return SIM_BANDWIDTH if device.kind == "sim" else _PROBED[device.index]
+
+
 def over_bound(step, bound: int, carried: Tuple[int, int] = (0, 0)) -> Tuple[int, int]:
     """(saved, excess) of a step (``StepStats``) that swapped everything it could (a learning
     step): what it saved (swapped, kept, alive anyway, rebuilt), and by how much a step like it
@@ -214,15 +230,19 @@ class SurveyCalls:
 
     def mark_unfit(self, regions, engine) -> None:
         """Say in ``unfit`` of each of ``regions`` whose rerun would pass ``engine``'s bound
-        (``rerun_peak``) in the step just ended, what it would hold. Nothing where that step
-        recorded no profile (a policy other than auto's)."""
+        (``rerun_peak``) in the step just ended, what it would hold (where that step recorded
+        a profile: auto's policy), and of each never called where lmsrt's hooks are innermost
+        (``UNCALLED``: a library's own checkpointing runs it), that nothing reruns it."""
+        for region in regions:
+            if not any(self.calls.get(m) for m in region.modules if m is not None):
+                region.unfit = UNCALLED
         prof, base = engine.state.rec, engine.state.base
         if prof is None or base is None:
             return
         base += max(0, engine.carried_over()[1])     # (an optimizer's state made by step 1)
         for region in regions:
             modules = region.modules
-            if any(m is None for m in modules):
+            if any(m is None for m in modules) or region.unfit:
                 continue
             spans = zip(self.calls.get(modules[0], ()), self.calls.get(modules[-1], ()))
             peak = max((rerun_peak(prof, a[0], b[1], a[2]) for a, b in spans

@@ -256,7 +256,7 @@ class Rebuilds:
         cost = ops * self.dispatch_s
         if cost <= _MATERIAL_S:
             return True
-        from .regions import link_bandwidth
+        from .plan import link_bandwidth
         bandwidth, rebuilt = link_bandwidth(self.device), step.rebuilt_bytes
         saved = (2 * step.rebuilt_tensors * _COPY_FIXED_S
                  + exposed(step.out_bytes, rebuilt, bandwidth, forward_s)

@@ -123,7 +123,6 @@ import torch
 from torch import nn
 
 from .. import params
-from ..device import copy_bandwidth
 from ..hook_stack import innermost_is
 from ..say import say_once
 from ..units import format_bytes
@@ -131,15 +130,21 @@ from . import plan as spans
 from .account import BlockAccount
 from .finder import BlockFinder, Region, blocks_line
 from .frames import RERUNS, Frame, rerun
-from .plan import StepFigures, SurveyCalls, checked, choose_regions, over_bound, timed_order
+from .plan import (
+    SIM_BANDWIDTH,
+    UNCALLED,
+    StepFigures,
+    SurveyCalls,
+    checked,
+    choose_regions,
+    link_bandwidth,
+    over_bound,
+    timed_order,
+)
 from .reruns import RerunCheck
 
 __all__ = ["Regions", "StepFigures", "choose_regions", "link_bandwidth", "SIM_BANDWIDTH"]
 
-SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
-                               # sets ``Regions.bandwidth`` to make them cost)
-_PROBE_BYTES = 64 << 20  # a copy this large measures the link's bandwidth, once
-_PROBED: dict = {}       # device index -> the bandwidth its probe measured
 _WORTH_SHIFT = 4         # regions are timed only when the excess is over limit >> this
 
 
@@ -445,7 +450,10 @@ class Regions:
                        f"bound is left to the swaps")
             return
         if not self._fit():
-            self._done(f"{found} regions, none recomputed: no rerun would fit under the bound")
+            why = {r.unfit for r in self._found() if r.usable} - {""}
+            self._done(f"{found} regions, none recomputed: " + (
+                UNCALLED.replace("its", "their", 1) if why == {UNCALLED}
+                else "no rerun would fit under the bound"))
             return
         self.phase, self._all = "timing", True
         self.note = "step 2 recomputes every region to time its forward"
@@ -573,15 +581,6 @@ def _module_hooks(me) -> list:
     return [nn.modules.module.register_module_forward_pre_hook(pre),
             nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
                                                            always_call=True)]
-
-
-def link_bandwidth(device) -> float:
-    """Pinned device-to-host copy bandwidth, bytes/s: one probe per device and process, when a
-    plan first needs it (the simulated device's copies take no time: ``SIM_BANDWIDTH``)."""
-    if device.kind != "sim" and device.index not in _PROBED:
-        _PROBED[device.index] = copy_bandwidth(device.index, _PROBE_BYTES, reps=4,
-                                               directions=("d2h",))["d2h"]
-    return SIM_BANDWIDTH if device.kind == "sim" else _PROBED[device.index]
 
 
 def _ignore(step: int) -> None:
