@@ -184,6 +184,31 @@ def test_batch_norm_statistics_updated_once_cuda():
     _check_batch_norm("cuda")
 
 
+def test_a_rerun_updates_stand_ins_made_once_for_the_running_statistics():
+    """A rerun in training mode updates stand-ins for a norm's running statistics, made once
+    (not a copy of each buffer at every rerun), and made again once the buffers are others (a
+    model moved or cast); the statistics stay the plain run's (_check_exact)."""
+    from lmsrt.recompute import frames
+
+    x = torch.randn(4, 3, 16, 16)
+    bn = nn.BatchNorm2d(3)
+    made = frames._stand_ins(bn)
+    assert made is frames._stand_ins(bn) and made["running_var"] is not bn.running_var
+    assert torch.equal(made["running_var"], bn.running_var)
+    bn.double()
+    again = frames._stand_ins(bn)
+    assert again is not made and again["running_mean"].dtype == torch.float64
+    torch.manual_seed(0)
+    model, lms = _segnet(), _lms("sim")
+    _train(model, x, 4, lms)
+    norms = [m for r in lms._regions.order for m in frames.running_norms(r)]
+    assert norms and all(m in frames._STAND_INS for m in norms)
+    kept = {m: frames._STAND_INS[m][1]["running_mean"] for m in norms}
+    _train(model, x, 2, lms)
+    assert lms.stats()["regions"]["recomputed"] >= 4
+    assert all(frames._STAND_INS[m][1]["running_mean"] is t for m, t in kept.items())
+
+
 def test_a_users_checkpoint_is_left_alone():
     """Blocks run under the script's own checkpointing are found, never recomputed, and said to
     be so; no step times them (the Trainer with its checkpointing on at 14 GiB learnt a second
