@@ -268,13 +268,16 @@ def test_a_raise_the_plan_did_not_answer_says_nothing_of_the_retries():
     """More headroom that the plan's slack absorbs leaves the plan as it was: retries after it
     are not judged the model's own (Lightning's GPT at a 14.2 GiB cap: one raise of limit/64,
     the plan unchanged, then two retries a step for good). The raise stays and the next one
-    comes; once a raise makes the plan hold less and the retries stay, they are the model's."""
+    comes; once a raise makes the plan hold less and the retries stay, they are the model's,
+    and the headroom goes back to where it was before the first raise. A plan that keeps
+    everything answers at once: lmsrt holds nothing it could give up."""
     limit = 1 << 30
     policy = AutoPolicy(limit=limit, window=1 << 30)
     policy.learning = False
     plan = OffloadPlan()
     near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
     start = policy.headroom
+    policy._cutoff = 2                                                      # it offloads some
     policy.predicted_peak = policy.bound - (limit >> 3)
     policy.finish_step(plan, peak=policy.bound - 1, retries=2, **near)
     assert policy.headroom == start + (limit >> 6)
@@ -282,7 +285,28 @@ def test_a_raise_the_plan_did_not_answer_says_nothing_of_the_retries():
     assert policy.headroom == start + 2 * (limit >> 6), policy.why          # raised again
     policy.predicted_peak -= limit >> 6                                     # a plan holding less
     policy.finish_step(plan, peak=policy.bound - 1, retries=2, **near)
-    assert policy.headroom == start + (limit >> 6) and "model's own" in policy.why
+    assert policy.headroom == start and "model's own" in policy.why, policy.why
+    policy = AutoPolicy(limit=limit, window=1 << 30)
+    policy.learning, policy._cutoff = False, 0                              # it keeps everything
+    policy.predicted_peak = policy.bound - (limit >> 3)
+    policy.finish_step(plan, peak=policy.bound - 1, retries=2, **near)
+    policy.finish_step(plan, peak=policy.bound - 1, retries=2, **near)
+    assert policy.headroom == start and "model's own" in policy.why, policy.why
+
+
+def test_one_retry_that_more_headroom_removed_raises_no_floor():
+    """Retries that had repeated and went once the headroom was raised leave a floor under it;
+    one retry that did not come back (noise at the cap) does not: clean steps give back."""
+    limit = 1 << 30
+    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    floors = []
+    for first in (1, 3):
+        policy = AutoPolicy(limit=limit, window=1 << 30)
+        policy.learning = False
+        policy.finish_step(OffloadPlan(), peak=policy.bound - 1, retries=first, **near)
+        policy.finish_step(OffloadPlan(), peak=policy.bound - 1, retries=0, **near)
+        floors.append(policy.floor)
+    assert floors == [limit >> 5, (limit >> 4) + (limit >> 7)], floors
 
 
 def test_a_step_that_retried_near_the_bound_lowers_no_correction():
@@ -299,7 +323,7 @@ def test_a_step_that_retried_near_the_bound_lowers_no_correction():
     policy.finish_step(plan, peak=peak, retries=1, **near)                  # ...but not near
     assert policy.correction < 0                                            # lowered
     policy.correction = 0
-    policy.predicted_peak = policy.bound + policy.headroom
+    policy.predicted_peak = policy.bound                                    # not over it
     peak = policy.bound - (policy.headroom >> 1)                            # near, and retried
     policy.finish_step(plan, peak=peak, retries=1, **near)
     assert policy.correction == 0, policy.why

@@ -777,6 +777,27 @@ def test_the_recorder_is_judged_by_the_copies_the_link_could_not_hide(monkeypatc
     assert judged(0.08, 0.2, ops=100)            # 5 ms of Python is not material
 
 
+def test_the_recorder_is_judged_by_each_planned_steps_wall_times(monkeypatch):
+    """The engine hands the judge each planned step's forward and whole-step wall times, read
+    as the step ran (the forward, then the rest, at least as long)."""
+    from lmsrt.recompute.rebuilds import Rebuilds
+
+    seen, judge = [], Rebuilds.judge_recorder
+
+    def spy(self, step, forward_s=0.0, step_s=0.0):
+        if step.rebuilt_bytes:
+            seen.append((forward_s, step_s))
+        return judge(self, step, forward_s, step_s)
+
+    monkeypatch.setattr(Rebuilds, "judge_recorder", spy)
+    model, x, ref, lms = _setup(lambda: torch.nn.Sequential(*[Block(64, 4) for _ in range(4)]),
+                                (4, 32, 64))
+    for _ in range(5):
+        assert_same(ref, _train(model, x, lms=lms))
+    assert seen and all(0 < f <= s for f, s in seen), seen
+    lms.close()
+
+
 # -- what the engine must not rebuild, and what must not break -------------------------------
 
 class _ScaledInPlace(torch.nn.Module):

@@ -85,7 +85,8 @@ def _train(model, x, steps: int, ctx=None, autocast: bool = False):
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(x).float().square().mean()
         loss.backward()
-        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()],
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()
+                                    if p.grad is not None],
                     [b.clone() for b in model.buffers()]))
         model.zero_grad(set_to_none=True)
     return out
@@ -221,6 +222,28 @@ def test_a_users_checkpoint_is_left_alone():
     assert stats["figures"] is None and "their calls ran inside" in stats["note"], stats
     assert all("own checkpointing" in why for why in stats["unfit"].values()), stats["unfit"]
     assert len(stats["unfit"]) == 4
+
+
+class _Frozen(Stack):
+    """Its first two blocks run without grad (frozen, as a fine-tuning script's early layers)."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            for b in self.blocks[:2]:
+                x = b(x)
+        for b in self.blocks[2:]:
+            x = b(x)
+        return x
+
+
+def test_blocks_run_without_grad_are_not_taken_for_a_users_checkpoint():
+    """Only blocks that ran with grad under another's saved-tensor hooks are left to the
+    script's checkpointing: frozen blocks (no grad) are not said to be, and the others are
+    recomputed."""
+    lms = _check_exact("sim", lambda: _Frozen(32, 4), torch.randn(4, 16, 32))
+    stats = lms.stats()["regions"]
+    assert not any("own checkpointing" in why for why in stats["unfit"].values()), stats
+    assert stats["recomputed"] >= 2 and "own checkpointing" not in stats["note"], stats
 
 
 class Seen(Block):

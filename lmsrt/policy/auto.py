@@ -37,14 +37,16 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      use is raised from that point to the end of forward by what it missed, and the next plan
      offloads earlier storages instead (``_learn_from``). The headroom (room the allocator needs
      beside what is allocated) starts at limit/16; an allocation that failed at the limit (a
-     learning step's too) raises it by limit/64; so does a step with an allocator retry (the
-     allocator freed its cache and synchronised to go on: 12-17 ms each, far more than the
-     block that more headroom reruns or moves), undone if the next step, its plan holding less
-     for it, retries as often (those retries are the model's own, and count no more; a raise
-     the plan's slack absorbed says nothing of them); a step that retried near the bound lowers
-     no correction; after four clean steps (none with a retry beyond the model's own) it gives
-     back limit/128, down to limit/32, or down to a step over the headroom at which a raise
-     removed retries (no cycle of raise and give-back).
+     learning step's too) raises it by limit/64; so does a step with an allocator retry near
+     the bound beyond the model's own (the allocator freed its cache and synchronised to go on:
+     12-17 ms each, far more than the block that more headroom reruns or moves). Once the plan
+     answers a raise (holds less, or keeps everything) and the next step retries as often, the
+     retries are the model's own, count no more, and the headroom goes back to where it was
+     before the first raise for them (a raise the plan's slack absorbed says nothing of them);
+     retries that a raise removed, two or more, leave a floor a step over the headroom they
+     came at. A step that retried near the bound lowers no correction. After four clean steps
+     (none with a retry beyond the model's own) the headroom gives back limit/128, down to
+     limit/32 or that floor (no cycle of raise and give-back).
   5. Steps are planned for the learnt sequence (a step that returns to it after another batch
      follows the plan). A step whose sequence differs is reactive: where it differs by a
      smaller storage it swaps what passes the bound less the largest growth the profile saw;
@@ -61,9 +63,10 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      a step with a sequence of sizes not seen in a learning step before is learnt again by the
      next, whose algorithms (chosen with the least held) are those later steps run.
   7. Learn again when told (``relearn``: recompute/regions.py recomputes other regions). The
-     headroom and the retries found to be the model's own stay: they are the allocator's and the
-     model's, not the plan's (a fresh policy gave back what allocation failures had taught, and
-     a failure makes cuDNN keep a slower algorithm for the run). Under benchmark mode the step
+     headroom and its floor stay: they are the allocator's, not the plan's (a fresh policy gave
+     back what allocation failures had taught, and a failure makes cuDNN keep a slower
+     algorithm for the run); the retries found to be the model's own are found again for the
+     new plan. Under benchmark mode the step
      that learns runs shapes cuDNN has tuned already: learnt at once.
 A model that fits under the bound keeps everything: nothing moves; and from its first step where
 use stays under half the limit (its swaps deferred, then kept: engine/deferred.py, NOTE [ Deferred
@@ -116,8 +119,9 @@ class AutoPolicy(LimitShares):
         self._since_learnt = 0
         self._clean = 0
         # Allocator retries a step that more headroom did not remove (the model's own: cuDNN
-        # asking for workspaces, say); and, after a raise for retries, (retries, headroom)
-        # before it, to tell next step whether it helped.
+        # asking for workspaces, say); and, after a raise for retries, (retries, headroom,
+        # the plan's predicted peak over its base) before it (before the first of raises the
+        # plan did not answer), to tell the next step whether it helped.
         self._own_retries = 0
         self._raised: Optional[tuple] = None
         self._base = 0
@@ -335,41 +339,43 @@ class AutoPolicy(LimitShares):
         # was "beyond" every step, and its two allocator retries a step raised nothing.)
         beyond = self.predicted_peak + self.correction > bound
         raised, self._raised = self._raised, None
-        if raised is not None and retries < raised[0]:
-            # More headroom removed retries: the headroom they came at is too little, and is
-            # never given back to again (measured on a ViT at a 10.6 GiB cap: given back from
-            # 0.66 to 0.50 GiB every fourth clean step, 3 retries a step there, and 0.20 s a
-            # step against 0.15 until raised: a third of the steps ran at the slower plan).
-            self.floor = max(self.floor, raised[1] + (limit >> 7))
-        if (raised is not None and retries >= raised[0] and not failures
-                and self.predicted_peak < raised[2]):
-            # More headroom, and a plan that holds less for it, removed none of the retries:
-            # they are the model's own, and cost the same at any headroom (measured on a conv
-            # net at a 12 GiB cap: 4-5 a step at 0.75 GiB of headroom and at 1.5, and at
-            # lms_frac 0.6 with 0.32 GiB; raised for them step after step, auto moved 5.9 GiB a
-            # step where 0.6 moves 3.1). A raise the plan did not answer (it kept as much: the
-            # room was in its slack) says nothing of them, and stays: Lightning's GPT at a 14.2
-            # GiB cap took two retries a step for its own after one raise of limit/64 that left
-            # its plan as it was.
-            self._own_retries = retries
-            self.headroom = raised[1]
-            self.why = (f"{retries} allocator retries a step with more headroom as without: "
-                        f"the model's own; headroom back to {self.headroom / gib:.2f} GiB")
-            bound = self.bound
+        carried = None                 # raises the plan did not answer: the first of them
+        if raised is not None and not failures:
+            first_retries, first_headroom, planned_peak = raised
+            if retries < first_retries:
+                # Removed: the headroom they came at is too little, and is never given back to
+                # (a ViT at a 10.6 GiB cap: given back from 0.66 to 0.50 GiB every fourth clean
+                # step, 3 retries a step there, 0.20 s a step against 0.15), unless one retry
+                # did not come back: that says too little.
+                if first_retries > 1:
+                    self.floor = max(self.floor, first_headroom + (limit >> 7))
+            elif (self.predicted_peak - self._base < planned_peak or self._cutoff == 0
+                  or self.headroom >= limit >> 3):
+                # Answered (a plan holding less, or one holding nothing lmsrt could give up)
+                # and not removed: the model's own, at any headroom (a conv net at a 12 GiB cap:
+                # 4-5 a step at 0.75 GiB of headroom and at 1.5; raised for them step after
+                # step, auto moved 5.9 GiB a step where lms_frac 0.6 moves 3.1).
+                self._own_retries = retries
+                self.headroom = first_headroom
+                self.why = (f"{retries} allocator retries a step with more headroom as without: "
+                            f"the model's own; headroom back to {self.headroom / gib:.2f} GiB")
+                bound = self.bound
+            else:
+                # Not answered (the plan's slack took the room): says nothing of them; the next
+                # raise counts from the first (Lightning's GPT at 14.2 GiB: two retries a step
+                # taken for its own after a raise that left its plan as it was).
+                carried = raised
         pressure = retries - self._own_retries      # retries that lmsrt's holdings may cause
         if failures and not beyond:
             self._failed(failures)
         elif pressure > 0 and peak > bound - self.headroom and not beyond:
             # The allocator freed its cache to go on (a device sync) near the bound: leave it
-            # more room. One such retry cost 12-17 ms of a step on an H200 (Lightning's GPT at a
-            # 14.2 GiB cap: 0.175 s with one, 0.162 without; two a step, 0.19-0.21 s), where the
-            # bytes limit/64 more headroom frees are a block's rerun (~1 ms) or a copy the link
-            # mostly hides. A raise that removes none of them is undone by the next step (the
-            # model's own, above: an LM at 18 GiB retried twice a step at 1.1 GiB of headroom and
-            # at 2). Retries far under the bound are the cache filling up, not pressure lmsrt
-            # makes (two a step at 14.3 GiB of an 18 GiB cap on an LM), and more headroom would
-            # not change the plan that led to them.
-            self._raised = (retries, self.headroom, self.predicted_peak)
+            # more room. A retry cost 12-17 ms of a step on an H200 (Lightning's GPT at 14.2
+            # GiB: 0.175 s with one, 0.162 without), more than a block's rerun (~1 ms) or the
+            # copy that limit/64 of room costs. Retries far under the bound are the cache
+            # filling up (two a step at 14.3 GiB of an 18 GiB cap on an LM): more headroom
+            # would not change the plan that led to them.
+            self._raised = carried or (retries, self.headroom, self.predicted_peak - self._base)
             self.headroom = min(limit >> 3, self.headroom + (limit >> 6))
             self._clean = 0
             self.why = (f"the allocator freed its cache {retries} time(s) to go on near the "

@@ -25,7 +25,7 @@ from ..units import format_bytes
 
 __all__ = ["StepFigures", "calibrated", "checked", "choose_regions", "end_region", "end_span",
            "link_bandwidth", "mark_span", "memory_budget", "over_bound", "rerun_peak",
-           "SurveyCalls", "timed_order", "LEAST_BUDGET", "SIM_BANDWIDTH", "UNCALLED"]
+           "SurveyCalls", "timed_order", "unfit_note", "LEAST_BUDGET", "SIM_BANDWIDTH", "UNCALLED"]
 
 SIM_BANDWIDTH = float("inf")   # the simulated device's copies take no step time (a test
                                # sets ``Regions.bandwidth`` to make them cost)
@@ -216,6 +216,7 @@ class SurveyCalls:
 
     def __init__(self) -> None:
         self.calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.outside: "weakref.WeakSet" = weakref.WeakSet()   # called with grad, under others'
 
     def enter(self, module, engine, args: tuple, kwargs: Optional[dict]) -> None:
         # (tree_leaves: tree_flatten's closure would leave a cycle of garbage at each call)
@@ -231,10 +232,12 @@ class SurveyCalls:
     def mark_unfit(self, regions, engine) -> None:
         """Say in ``unfit`` of each of ``regions`` whose rerun would pass ``engine``'s bound
         (``rerun_peak``) in the step just ended, what it would hold (where that step recorded
-        a profile: auto's policy), and of each never called where lmsrt's hooks are innermost
-        (``UNCALLED``: a library's own checkpointing runs it), that nothing reruns it."""
+        a profile: auto's policy), and of each whose first module ran with grad only under
+        saved-tensor hooks not lmsrt's (``UNCALLED``: a library's own checkpointing ran it; a
+        frame opens only there), that nothing reruns it."""
         for region in regions:
-            if not any(self.calls.get(m) for m in region.modules if m is not None):
+            first = region.modules[0]
+            if first is not None and first in self.outside and not self.calls.get(first):
                 region.unfit = UNCALLED
         prof, base = engine.state.rec, engine.state.base
         if prof is None or base is None:
@@ -250,6 +253,14 @@ class SurveyCalls:
             if base + peak > engine.mark:
                 region.unfit = (f"its rerun would hold {format_bytes(base + peak)} in backward, "
                                 f"over the bound ({format_bytes(engine.mark)})")
+
+
+def unfit_note(regions) -> str:
+    """Why no region of ``regions`` is recomputed where none fits (``SurveyCalls.mark_unfit``),
+    for the plan's note."""
+    if {r.unfit for r in regions if r.usable} == {UNCALLED}:
+        return UNCALLED.replace("its", "their", 1)
+    return "no rerun would fit under the bound"
 
 
 def memory_budget(step: StepFigures, blocks: int) -> float:

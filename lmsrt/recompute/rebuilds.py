@@ -245,7 +245,8 @@ class Rebuilds:
         is still worth its cost in forward (``_DISPATCH_S`` an op) against the step time that
         copying those storages instead would add: their copies' launches, and what of their
         bytes the link could not hide beside the copies the step made, out under its forward
-        (``forward_s`` of wall time) and in under the rest of it (``step_s`` less that). Once
+        (``forward_s`` of wall time) and in under the rest of it (``step_s`` less that, up to
+        twice forward). Once
         not, never again in this run (said once). Measured on resnet152 at a 12 GiB cap on an
         H200: the recorder took ~20 ms of forward's host time a step to save copies of 1.2 GiB
         that the link had room for under a 0.08 s forward, and its plan (state moved for the
@@ -257,10 +258,16 @@ class Rebuilds:
         if cost <= _MATERIAL_S:
             return True
         from .plan import link_bandwidth
-        bandwidth, rebuilt = link_bandwidth(self.device), step.rebuilt_bytes
+        try:
+            bandwidth = link_bandwidth(self.device)
+        except RuntimeError:         # (no room for the probe's copy at the cap: the nominal)
+            bandwidth = _LINK_BYTES_PER_S
+        # Backward as the rest of the step, up to twice forward (the rest holds the optimizer,
+        # the next batch's loading, an evaluation: no copies of backward's hide there).
+        rebuilt, back = step.rebuilt_bytes, min(step_s - forward_s, 2 * forward_s)
         saved = (2 * step.rebuilt_tensors * _COPY_FIXED_S
                  + exposed(step.out_bytes, rebuilt, bandwidth, forward_s)
-                 + exposed(step.in_bytes, rebuilt, bandwidth, step_s - forward_s))
+                 + exposed(step.in_bytes, rebuilt, bandwidth, back))
         if cost > saved:
             self.worthwhile = False
             say_once("recorder-cost",

@@ -132,7 +132,6 @@ from .finder import BlockFinder, Region, blocks_line
 from .frames import RERUNS, Frame, rerun
 from .plan import (
     SIM_BANDWIDTH,
-    UNCALLED,
     StepFigures,
     SurveyCalls,
     checked,
@@ -231,8 +230,11 @@ class Regions:
             if frame.enters(module):        # inside it, or its stage's next module
                 return None
             self._close(frame, "")          # a walk left the stage before its end (Rule 3)
-        if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
-                or not innermost_is(self._owner)):
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return None
+        if not innermost_is(self._owner):
+            if self.phase == "survey":      # (another's hooks are: NOTE [ Region plan ], 2)
+                self._calls.outside.add(module)
             return None
         self._saw_grad = True
         if module not in self.finder.scanned:
@@ -450,10 +452,7 @@ class Regions:
                        f"bound is left to the swaps")
             return
         if not self._fit():
-            why = {r.unfit for r in self._found() if r.usable} - {""}
-            self._done(f"{found} regions, none recomputed: " + (
-                UNCALLED.replace("its", "their", 1) if why == {UNCALLED}
-                else "no rerun would fit under the bound"))
+            self._done(f"{found} regions, none recomputed: {spans.unfit_note(self._found())}")
             return
         self.phase, self._all = "timing", True
         self.note = "step 2 recomputes every region to time its forward"
