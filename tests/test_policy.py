@@ -242,15 +242,21 @@ def test_plan_keeps_predicted_peaks_under_the_bound():
     assert policy.headroom == policy.floor < raised
 
 
+def _planned():
+    """An AutoPolicy past its learning step, a plan, a followed step's arguments, and its limit
+    (1 GiB): for the tests of what steps teach it."""
+    limit = 1 << 30
+    policy = AutoPolicy(limit=limit, window=1 << 30)
+    policy.learning = False
+    return policy, OffloadPlan(), dict(followed=True, forward_end_use=0, swapped=0,
+                                       beyond_plan=0), limit
+
+
 def test_a_prediction_corrected_under_the_bound_is_not_beyond_it():
     """A profile learnt too high (its prediction corrected down by what steps showed) predicts
     a peak over the bound only uncorrected: allocator retries near the bound still raise the
     headroom (Lightning's GPT at a 14.2 GiB cap on an H200: two a step, none answered)."""
-    limit = 1 << 30
-    policy = AutoPolicy(limit=limit, window=1 << 30)
-    policy.learning = False
-    plan = OffloadPlan()
-    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    policy, plan, near, limit = _planned()
     policy.correction = -(limit >> 3)
     policy.predicted_peak = policy.bound + (limit >> 4)             # as learnt: over it
     start = policy.headroom
@@ -271,11 +277,7 @@ def test_a_raise_the_plan_did_not_answer_says_nothing_of_the_retries():
     comes; once a raise makes the plan hold less and the retries stay, they are the model's,
     and the headroom goes back to where it was before the first raise. A plan that keeps
     everything answers at once: lmsrt holds nothing it could give up."""
-    limit = 1 << 30
-    policy = AutoPolicy(limit=limit, window=1 << 30)
-    policy.learning = False
-    plan = OffloadPlan()
-    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    policy, plan, near, limit = _planned()
     start = policy.headroom
     policy._cutoff = 2                                                      # it offloads some
     policy.predicted_peak = policy.bound - (limit >> 3)
@@ -312,11 +314,7 @@ def test_one_retry_that_more_headroom_removed_raises_no_floor():
 def test_a_step_that_retried_near_the_bound_lowers_no_correction():
     """A step that peaked under its prediction lowers the correction (the plan then keeps
     more), unless the allocator retried near the bound in it: that room was the allocator's."""
-    limit = 1 << 30
-    policy = AutoPolicy(limit=limit, window=1 << 30)
-    policy.learning = False
-    plan = OffloadPlan()
-    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    policy, plan, near, limit = _planned()
     policy._cutoff = 3                                                      # it offloads some
     policy.predicted_peak = policy.bound
     peak = policy.bound - (limit >> 3)                                      # well under it...
@@ -333,11 +331,7 @@ def test_retries_that_more_headroom_does_not_remove_are_the_models_own():
     """A conv net's allocator retries 4-5 times a step whatever the headroom (cuDNN asking for
     workspaces): a raise for them is undone when the next step retries as often, and from then
     on only retries beyond those count, for raising it and against giving it back."""
-    limit = 1 << 30
-    policy = AutoPolicy(limit=limit, window=1 << 30)
-    policy.learning = False
-    plan = OffloadPlan()
-    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    policy, plan, near, limit = _planned()
     start = policy.headroom
     policy.finish_step(plan, peak=policy.bound - 1, retries=5, **near)
     assert policy.headroom > start                       # raised once
@@ -374,11 +368,7 @@ def test_the_headroom_is_never_given_back_to_where_a_raise_removed_retries():
     """Measured on a ViT: clean steps gave the headroom back to where it retried, retries
     raised it again, a cycle every ~14 steps (a third of them slower). Once more headroom
     removed retries, clean steps give back no lower than a step over the level they came at."""
-    limit = 1 << 30
-    policy = AutoPolicy(limit=limit, window=1 << 30)
-    policy.learning = False
-    plan = OffloadPlan()
-    near = dict(followed=True, forward_end_use=0, swapped=0, beyond_plan=0)
+    policy, plan, near, limit = _planned()
     for _ in range(40):                                  # clean steps: down to the floor
         policy.finish_step(plan, peak=0, retries=0, **near)
     low = policy.headroom
