@@ -287,7 +287,7 @@ class StepBoundaries:
         if mismatched:
             self.diagnostics.rebuild_mismatch(mismatched)
         st = self.state
-        if not self.rebuilds.judge_recorder(s if self.plan.planned else StepStats(),
+        if not self.rebuilds.judge_recorder(s if self.plan.planned else None,
                                             st.forward_s, time.perf_counter() - st.began):
             return {}
         trusted = self.rebuilds.trusted

@@ -155,10 +155,12 @@ def checked(figures: StepFigures, step) -> Tuple[StepFigures, List[str]]:
 def link_bandwidth(device) -> float:
     """Pinned device-to-host copy bandwidth, bytes/s: one probe per device and process, when a
     plan first needs it (the simulated device's copies take no time: ``SIM_BANDWIDTH``)."""
-    if device.kind != "sim" and device.index not in _PROBED:
+    if device.kind == "sim":
+        return SIM_BANDWIDTH
+    if device.index not in _PROBED:
         _PROBED[device.index] = copy_bandwidth(device.index, _PROBE_BYTES, reps=4,
                                                directions=("d2h",))["d2h"]
-    return SIM_BANDWIDTH if device.kind == "sim" else _PROBED[device.index]
+    return _PROBED[device.index]
 
 
 def over_bound(step, bound: int, carried: Tuple[int, int] = (0, 0)) -> Tuple[int, int]:

@@ -241,18 +241,18 @@ class Rebuilds:
 
 
     def judge_recorder(self, step, forward_s: float = 0.0, step_s: float = 0.0) -> bool:
-        """After a planned step (its ``StepStats``) that rebuilt storages: whether noting recipes
-        is still worth its cost in forward (``_DISPATCH_S`` an op) against the step time that
-        copying those storages instead would add: their copies' launches, and what of their
-        bytes the link could not hide beside the copies the step made, out under its forward
-        (``forward_s`` of wall time) and in under the rest of it (``step_s`` less that, up to
-        twice forward). Once
-        not, never again in this run (said once). Measured on resnet152 at a 12 GiB cap on an
+        """After each step (a planned one's ``StepStats``; None for others, which are not
+        judged) that rebuilt storages: whether noting recipes is still worth its cost in forward
+        (``_DISPATCH_S`` an op) against the step time that copying those storages instead would
+        add: their copies' launches, and what of their bytes the link could not hide beside the
+        copies the step made, out under its forward (``forward_s`` of wall time) and in under
+        the rest of it (``step_s`` less that, up to twice forward). Once not, never again in
+        this run (said once). Measured on resnet152 at a 12 GiB cap on an
         H200: the recorder took ~20 ms of forward's host time a step to save copies of 1.2 GiB
         that the link had room for under a 0.08 s forward, and its plan (state moved for the
         rebuilds' room) ran 0.25 s a step against 0.19 with the recorder off."""
         ops, self.dispatched[0] = self.dispatched[0], 0
-        if not self.worthwhile or not step.rebuilt_bytes:
+        if not self.worthwhile or step is None or not step.rebuilt_bytes:
             return self.worthwhile
         cost = ops * self.dispatch_s
         if cost <= _MATERIAL_S:
