@@ -34,7 +34,8 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import lmsrt  # noqa: E402
-from lmsrt.device import SimulatedDevice, copy_bandwidth  # noqa: E402
+from lmsrt.device import SimulatedDevice  # noqa: E402
+from lmsrt.link import copy_bandwidth  # noqa: E402
 from lmsrt.units import format_bytes  # noqa: E402
 
 GiB = 2**30

@@ -933,3 +933,57 @@ def test_allocator_retries_are_counted_per_step_and_said_once():
     said = [w for w in caught if "ran out of room" in w]
     assert len(said) == 1 and "lms_frac" in said[0], caught
     assert "allocator retries" in lms.summary()
+
+
+class _TrimmedDevice(_RetryingDevice):
+    """Retries in the steps of ``retrying`` (step numbers); a cache trim is counted as it comes
+    between steps, after the step it answers (engine/trim.py, NOTE [ Cache trims ])."""
+
+    def __init__(self, retrying, **kw):
+        super().__init__(per_step=1, **kw)
+        self.retrying, self.step, self.trimmed_after = set(retrying), 0, []
+
+    def trim_cache(self):
+        super().trim_cache()
+        self.trimmed_after.append(self.step)
+
+
+def _trim_run(retrying, steps):
+    torch.manual_seed(0)
+    model = transformer(d=32, layers=2, heads=2)
+    x = torch.randn(2, 16, 32)
+    device = _TrimmedDevice(retrying)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac=0.5)
+    for step in range(1, steps + 1):
+        device.step = step
+        train_step(model, x, lms=lms)
+        if step in device.retrying:
+            device.retries += 1            # as if this step's backward had retried once
+    train_step(model, x, lms=lms)          # (the last step's figures are read as the next begins)
+    return device, lms.stats()["history"]
+
+
+def test_a_planned_steps_retry_trims_the_cache_once_and_is_answered():
+    device, history = _trim_run(retrying={3}, steps=8)
+    assert [h["mode"] for h in history[1:]] == ["plan"] * 7, history
+    assert device.trims == 1 and device.trimmed_after == [4], device.trimmed_after
+    assert history[2]["alloc_retries"] == 1
+    assert "free cache given back after 1 retry" in history[2]["policy_note"]
+    assert not any("free cache" in h["policy_note"] for i, h in enumerate(history) if i != 2)
+
+
+def test_retries_a_trim_does_not_answer_are_trimmed_for_less_and_less_often():
+    device, history = _trim_run(retrying=range(2, 31), steps=30)
+    trimmed = [s - 1 for s in device.trimmed_after]      # the steps whose retries were answered
+    assert trimmed[0] == 2, trimmed                       # the first planned retry
+    # never the step right after a trim, and the gaps between trims grow (1, 2, 4 ... steps)
+    gaps = [b - a for a, b in zip(trimmed, trimmed[1:])]
+    assert all(g >= 2 for g in gaps) and gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps
+    assert len(trimmed) < 10, trimmed
+    assert history[1]["mode"] == "plan"
+
+
+def test_a_learning_step_is_not_trimmed_for():
+    device, history = _trim_run(retrying={1}, steps=4)
+    assert history[0]["mode"] == "reactive" and history[0]["alloc_retries"] == 1
+    assert device.trims == 0

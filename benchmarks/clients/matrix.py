@@ -233,6 +233,7 @@ def execute(args, run: Run) -> dict:
                    lmsrt_active=data["lmsrt_active"], versions=data.get("versions"),
                    peak_gib=data["peak_gib"], step_times_s=times, losses=data["losses"],
                    settled_s=settled(times), cpu_s=settled(data.get("step_cpu_s") or []),
+                   retries=settled(data.get("step_retries") or []),
                    first30=first_cost(times),
                    after1=first_cost(times, skip=1))
         if row["exit"] not in (0, 3):
@@ -290,7 +291,8 @@ def first_against(times: List[float], peer: List[float]) -> Optional[float]:
 
 
 def table(rows: List[dict]) -> str:
-    head = ["client", "cap", "method", "outcome", "settled s", "CPU s", "x uncapped", "x peer",
+    head = ["client", "cap", "method", "outcome", "settled s", "CPU s", "retries", "x uncapped",
+            "x peer",
             "first-30", "2-31", "first-30 x peer", "peak GiB", "moved GiB", "rebuilt GiB",
             "recomp. GiB", "state GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -300,7 +302,8 @@ def table(rows: List[dict]) -> str:
         cells = [r["client"], "-" if r["cap_gib"] is None else f"{r['cap_gib']:g}",
                  r["method"] + (f" {r['reused']}" if r.get("reused") else ""), outcome,
                  _num(r.get("settled_s") if ok else None, 3),
-                 _num(r.get("cpu_s") if ok else None, 3), _num(r.get("x_uncapped"), 2, "x"),
+                 _num(r.get("cpu_s") if ok else None, 3),
+                 _num(r.get("retries") if ok else None, 1), _num(r.get("x_uncapped"), 2, "x"),
                  _num(r.get("x_peer"), 2, "x"), _num(r.get("first30") if ok else None, 2, "x"),
                  _num(r.get("after1") if ok else None, 2, "x"),
                  _num(r.get("first30_x_peer"), 2, "x"),
