@@ -62,7 +62,7 @@ CAPS = {"gpt": (5, 6, 8, 12, 16), "gptbig": (8, 12, 16), "seg": (9, 10, 12, 16),
 # -- child: one method at one cap, in its own process -------------------------------------------
 
 def _bandwidth() -> dict:
-    from lmsrt.link import copy_bandwidth
+    from lmsrt.device import copy_bandwidth
     return copy_bandwidth(0, 256 << 20, reps=8)
 
 

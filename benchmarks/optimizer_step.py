@@ -34,8 +34,7 @@ sys.path[:0] = [os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import lmsrt  # noqa: E402
-from lmsrt.device import SimulatedDevice  # noqa: E402
-from lmsrt.link import copy_bandwidth  # noqa: E402
+from lmsrt.device import SimulatedDevice, copy_bandwidth  # noqa: E402
 from lmsrt.units import format_bytes  # noqa: E402
 
 GiB = 2**30

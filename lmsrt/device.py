@@ -20,19 +20,20 @@ import ctypes
 import functools
 import mmap
 import os
+import statistics
 import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Protocol
+from typing import Any, Dict, Optional, Protocol, Sequence
 
 import torch
 
 from . import copy_path, torch_patches
 from .config import cuda_index
 
-__all__ = ["Device", "CudaDevice", "SimulatedDevice", "resolve_device", "sim_capacity",
-           "ENV_SIM_GB"]
+__all__ = ["Device", "CudaDevice", "SimulatedDevice", "copy_bandwidth", "resolve_device",
+           "sim_capacity", "ENV_SIM_GB"]
 
 _HUGE_PAGE = 2 << 20            # a transparent huge page: a slab is touched in whole ones
 _SIM_DEFAULT = 1 << 30          # 1 GiB: the simulated GPU's size when nothing says otherwise
@@ -75,7 +76,6 @@ class Device(Protocol):
     def note_saved(self, storage: Any) -> None: ...
     def free_after(self, t: torch.Tensor, stream: Any) -> None: ...
     def synchronize(self) -> None: ...
-    def trim_cache(self) -> None: ...
 
 
 class _OnStream:
@@ -314,12 +314,6 @@ class CudaDevice:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
-    def trim_cache(self) -> None:
-        """Give the caching allocator's free blocks (pages, with expandable segments) back to
-        the driver: a device sync (engine/trim.py, NOTE [ Cache trims ])."""
-        with torch.cuda.device(self.index):
-            torch.cuda.empty_cache()
-
 
 class _SimEvent:
     """Completes after ``lag`` queries, or at once when a stream waits on it: copies that lag
@@ -395,7 +389,6 @@ class SimulatedDevice:
         self.capacity = int(capacity)
         self.strict = strict
         self.failures = 0            # allocations refused at the capacity (strict)
-        self.trims = 0               # trim_cache() calls
         self.tuning = False          # tunes_algorithms(): stands in for cuDNN's benchmark mode
         self.copy_lag = copy_lag
         self.pin_limit = pin_limit
@@ -525,9 +518,6 @@ class SimulatedDevice:
     def synchronize(self) -> None:
         pass
 
-    def trim_cache(self) -> None:
-        self.trims += 1         # no cache to trim; counted for the tests
-
 
 ENV_SIM_GB = "LMSRT_SIM_GB"
 
@@ -578,3 +568,33 @@ def resolve_device(spec) -> Optional[Device]:
                          f"device{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1}); pick "
                          "one of them, or leave device out for the current one.")
     return CudaDevice(index)
+
+
+def copy_bandwidth(index: int = 0, nbytes: int = 256 << 20, reps: int = 5,
+                   directions: Sequence[str] = ("h2d", "d2h")) -> Dict[str, float]:
+    """Pinned host <-> GPU ``index`` copy speed in bytes/s, each of ``directions``: the median
+    of ``reps`` timed copies of ``nbytes`` after one untimed (first-use costs are no bandwidth).
+
+    Example::
+
+        copy_bandwidth(0)["d2h"] / 1e9     # ~55 on a PCIe Gen5 H100 or H200
+    """
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+    pairs = {"h2d": (gpu, host), "d2h": (host, gpu)}
+    result = {}
+    with torch.cuda.device(index):
+        for name in directions:
+            dst, src = pairs[name]
+            dst.copy_(src, non_blocking=True)
+            seconds = []
+            for _ in range(reps):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                seconds.append(start.elapsed_time(end) / 1e3)
+            result[name] = nbytes / statistics.median(seconds)
+    return result

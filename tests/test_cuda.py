@@ -145,18 +145,3 @@ def test_step_peak_survives_the_scripts_own_peak_reset():
     assert history[-1]["gpu_peak_bytes"] >= 256 << 20, history[-1]
     assert torch.cuda.max_memory_allocated() < history[-1]["gpu_peak_bytes"]   # torch's was reset
     lms.close()
-
-
-def test_a_cache_trim_gives_the_free_blocks_back_and_keeps_what_is_allocated():
-    """``Device.trim_cache`` (NOTE [ Cache trims ]): the allocator's free blocks go back to the
-    driver, allocated ones stay where they are, with their bytes."""
-    from lmsrt.device import CudaDevice
-    device = CudaDevice(0)
-    kept = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-    want = kept.clone()
-    freed = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    del freed
-    before = torch.cuda.memory_reserved()
-    device.trim_cache()
-    assert torch.cuda.memory_reserved() <= before - (256 << 20)
-    assert torch.equal(kept, want)

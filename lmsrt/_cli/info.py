@@ -91,7 +91,7 @@ def _host() -> Dict[str, object]:
 
 def _bandwidth(nbytes: int = 256 * MiB, reps: int = 5) -> Dict[str, float]:
     """Pinned host <-> GPU copy speed in GB/s, the median of ``reps`` timed copies each way."""
-    from ..link import copy_bandwidth
+    from ..device import copy_bandwidth
     speeds = copy_bandwidth(0, nbytes, reps)
     return {"bytes": nbytes, "reps": reps, "h2d_gbps": speeds["h2d"] / 1e9,
             "d2h_gbps": speeds["d2h"] / 1e9}

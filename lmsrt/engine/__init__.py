@@ -2,8 +2,7 @@
 
 The engine is a package of rooms, one idea each, that ``SwapEngine`` (core.py) puts together.
 The rooms that own state are objects the engine holds and calls (gauge.py, release.py,
-prefetch.py, deferred.py, trim.py; the host pool is lmsrt/host.py's); the others are its own
-methods:
+prefetch.py, deferred.py; the host pool is lmsrt/host.py's); the others are its own methods:
 
   core.py        SwapEngine: the rooms together, its state, what dead storages held given back,
                  close, what is outstanding, and what goes wrong (annotate_oom)
@@ -21,8 +20,6 @@ methods:
   backward.py    unpack: bring a storage back for backward
   prefetch.py    PrefetchWindow (``prefetch``): the swapped storages in save order, fetched
                  ahead of backward, and what runs over given back
-  trim.py        CacheTrims (``trims``): the allocator's free cache given back between steps
-                 where its retries are its layout's
 
 The numbers (how much may be held where, what may wait or be deferred, how far to fetch ahead)
 are the policy's (lmsrt/policy/): the engine asks, and never asks which kind of policy it has.

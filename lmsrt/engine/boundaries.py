@@ -239,13 +239,7 @@ class StepBoundaries:
         s.alloc_retries = self.device.alloc_retries() - self.state.retries_before
         s.mode = "plan" if self.plan.followed else "reactive"
         s.alloc_failures = self.device.alloc_failures() - self.state.failures_before
-        # NOTE [ Cache trims ]: a planned step's retries answered by trimming the cache now.
-        retries = s.alloc_retries
-        trimmed = self.trims.answer(s.step, self.plan.followed, retries)
-        if trimmed:
-            self.device.trim_cache()
-            retries = 0
-        if retries and s.mode == "plan" and not self.policy.adapts_to_retries:
+        if s.alloc_retries and s.mode == "plan" and not self.policy.adapts_to_retries:
             self.diagnostics.alloc_retries(s)
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)
@@ -271,13 +265,9 @@ class StepBoundaries:
                                 forward_end_use=self.state.forward_end_use,
                                 swapped=self._swapped_last,
                                 beyond_plan=self.state.beyond_plan, peak=peak,
-                                retries=retries, failures=s.alloc_failures,
+                                retries=s.alloc_retries, failures=s.alloc_failures,
                                 over=self.state.over, tuning=self.device.tunes_algorithms())
         s.policy_note = self.policy.note()
-        if trimmed:
-            s.policy_note = (f"the allocator's free cache given back after {s.alloc_retries} "
-                             "retr" + ("y" if s.alloc_retries == 1 else "ies")
-                             + (f"; {s.policy_note}" if s.policy_note else ""))
         if strayed and where and not left:
             s.policy_note = (f"this step left its plan ({where})"
                              + (f"; {s.policy_note}" if s.policy_note else ""))

@@ -31,7 +31,6 @@ from .recipes import RecipeOffload
 from .records import Offloaded
 from .release import HeldSources
 from .swap_out import SwapOut
-from .trim import CacheTrims
 
 __all__ = ["SwapEngine"]
 
@@ -131,7 +130,6 @@ class SwapEngine(EnterExit, StepBoundaries, PackSide, NativeHandOver, RecipeOffl
         self._swapped_last = 0          # bytes the last finished step swapped or rebuilt
         self._lean_from = 0             # the first step that may be lean (boundaries.py)
         self._lean_ban = 8              # steps without lean ones once a lean step left the plan
-        self.trims = CacheTrims()       # NOTE [ Cache trims ]
         self._timed_waits: list = []
         self._after_backward: set = set()  # threads whose saved tensors backward has used since
         self._stale_hooks: set = set()     # threads whose hooks an exit in backward left pushed

@@ -39,9 +39,8 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
      beside what is allocated) starts at limit/16; an allocation that failed at the limit (a
      learning step's too) raises it by limit/64; so does a step with an allocator retry near
      the bound beyond the model's own (the allocator freed its cache and synchronised to go on:
-     12-17 ms each, far more than the block that more headroom reruns or moves; retries that a
-     trim of the cache answered never get here: engine/trim.py, NOTE [ Cache trims ]). Once the
-     plan answers a raise (holds less, or keeps everything) and the next step retries as often, the
+     12-17 ms each, far more than the block that more headroom reruns or moves). Once the plan
+     answers a raise (holds less, or keeps everything) and the next step retries as often, the
      retries are the model's own, count no more, and the headroom goes back to where it was
      before the first raise for them (a raise the plan's slack absorbed says nothing of them);
      retries that a raise removed, two or more, leave a floor a step over the headroom they

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..link import copy_bandwidth
+from ..device import copy_bandwidth
 from ..units import format_bytes
 
 __all__ = ["StepFigures", "calibrated", "checked", "choose_regions", "end_region", "end_span",
