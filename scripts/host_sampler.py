@@ -27,11 +27,12 @@ import collections
 import gc
 import json
 import os
-import runpy
 import sys
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
+
+from in_process import run_command, split_command
 
 _LMSRT = os.sep + "lmsrt" + os.sep
 
@@ -159,20 +160,14 @@ def _windows(text: str) -> List[Tuple[int, int]]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        sys.exit("host_sampler: give the command after --, e.g. -- lmsrt run train.py")
-    cut = argv.index("--")
+    own, command = split_command("host_sampler", sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--every", type=float, default=0.005, help="seconds between samples")
     ap.add_argument("--windows", type=_windows, default=_windows("5-19,20-39"),
                     help="steps to report, FIRST-LAST[,FIRST-LAST...], counted from 1")
     ap.add_argument("--top", type=int, default=10, help="frames shown per thread")
     ap.add_argument("--dump", help="write every sample as JSON")
-    args = ap.parse_args(argv[:cut])
-    command = argv[cut + 1:]
-    if not command:
-        sys.exit("host_sampler: the command after -- is empty")
+    args = ap.parse_args(own)
     sampler = Sampler(args.every)
 
     def finish() -> None:
@@ -185,13 +180,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     atexit.register(finish)
     sampler.start()
-    if command[0] == "lmsrt":
-        sys.argv = command
-        runpy.run_module("lmsrt", run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = command
-        sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
-        runpy.run_path(command[0], run_name="__main__")
+    run_command(command)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,242 @@
+"""What the CUDA caching allocator did in each step, and where one step's allocations first part
+from the step before's.
+
+    python scripts/alloc_trace.py --steps 3-6 -- lmsrt run --gpu-limit 14 train.py
+    python scripts/alloc_trace.py --steps 3-6 --stacks -- train.py --gpu-limit 14
+    python scripts/alloc_trace.py --steps 3-6 --dump trace.pickle -- lmsrt run train.py
+
+Runs the command in this process (as host_sampler.py does) with the allocator's history recorded
+(``torch.cuda.memory._record_memory_history``) from the end of step FIRST-2 to the end of step
+LAST (step FIRST-1 is recorded to compare FIRST with), a step ending where a backward called on
+the main thread returns. Each step boundary allocates and frees one small marker block (a size
+no other allocation is likely to have: 512 bytes times 1237 plus the step) and reads the
+reserved bytes there, so the trace splits by step
+and the reserved bytes can be followed through each step. Per step it prints the allocations and
+frees, the bytes mapped and unmapped (expandable segments) or the segments made and freed, the
+unmap bursts (each a retry, or an ``empty_cache``), the allocator's out-of-memory events, the
+peak of reserved bytes inside the step (a script's or lmsrt's resets of the peak counters do not
+hide it), and the first entry where the step's sequence of allocations and frees (sizes, in
+order) differs from the step before's, with a few entries of each around it (their Python frames
+with ``--stacks``). A model that allocates the same sequence every step keeps its layout; one
+whose steps differ can need more reserved bytes than its allocated peak says.
+
+Found this way: under lmsrt the Trainer with its own checkpointing retried once every step from
+step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import pickle
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from in_process import run_command, split_command
+
+MARK = 512 * 1237          # marker bytes, plus 512 per step
+_MIB = 1 << 20
+
+
+def marker_size(step: int) -> int:
+    return MARK + 512 * step
+
+
+def split_steps(trace: List[dict], first: int, last: int) -> Dict[int, List[dict]]:
+    """The trace's entries by step (``first``..``last``), cut at the marker allocations made at
+    the end of steps ``first - 1`` .. ``last`` (the markers themselves left out)."""
+    cuts = {}
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc" and (e["size"] - MARK) % 512 == 0:
+            step = (e["size"] - MARK) // 512
+            if first - 1 <= step <= last and step not in cuts:
+                cuts[step] = i
+    steps = {}
+    for step in range(first, last + 1):
+        a, b = cuts.get(step - 1), cuts.get(step)
+        if a is None or b is None:
+            continue
+        mark = marker_size(step - 1)
+        steps[step] = [e for e in trace[a + 1:b]
+                       if not (e["size"] == mark and e["action"] != "alloc")]
+    return steps
+
+
+def step_row(entries: List[dict], reserved_at_start: Optional[int]) -> dict:
+    """Counts and bytes of one step's entries; the peak of reserved bytes inside it."""
+    row = dict(allocs=0, frees=0, alloc_bytes=0, mapped=0, unmapped=0, unmap_bursts=0, ooms=0,
+               peak_reserved=None)
+    level = peak = 0
+    last_unmap = -2
+    for i, e in enumerate(entries):
+        action, size = e["action"], e["size"]
+        if action == "alloc":
+            row["allocs"] += 1
+            row["alloc_bytes"] += size
+        elif action == "free_requested":
+            row["frees"] += 1
+        elif action in ("segment_map", "segment_alloc"):
+            row["mapped"] += size
+            level += size
+            peak = max(peak, level)
+        elif action in ("segment_unmap", "segment_free"):
+            row["unmapped"] += size
+            level -= size
+            row["unmap_bursts"] += last_unmap != i - 1
+            last_unmap = i
+        elif action == "oom":
+            row["ooms"] += 1
+    if reserved_at_start is not None:
+        row["peak_reserved"] = reserved_at_start + peak
+    return row
+
+
+def sequence(entries: List[dict]) -> List[Tuple[str, int]]:
+    return [(e["action"], e["size"]) for e in entries
+            if e["action"] in ("alloc", "free_requested")]
+
+
+def first_difference(before: List[dict], now: List[dict]) -> Optional[Tuple[int, int, int]]:
+    """(the index in ``now``'s allocations and frees where it first differs from ``before``'s,
+    that index's entry in ``before``, in ``now``), or None where they are the same."""
+    a, b = _moves(before), _moves(now)
+    for k in range(min(len(a), len(b))):
+        if (a[k]["action"], a[k]["size"]) != (b[k]["action"], b[k]["size"]):
+            return k, a[k]["_i"], b[k]["_i"]
+    if len(a) != len(b):
+        k = min(len(a), len(b))
+        return k, (a[k]["_i"] if k < len(a) else len(before)), (b[k]["_i"] if k < len(b)
+                                                                  else len(now))
+    return None
+
+
+def _moves(entries: List[dict]) -> List[dict]:
+    return [dict(e, _i=i) for i, e in enumerate(entries)
+            if e["action"] in ("alloc", "free_requested")]
+
+
+def _entry(e: dict, stacks: int) -> List[str]:
+    lines = [f"      {e['action']:15s} {e['size'] / _MIB:10.3f} MiB  stream {e.get('stream', 0)}"]
+    for fr in (e.get("frames") or [])[:stacks]:
+        name = fr.get("filename", "?")
+        cut = name.rfind("site-packages/")
+        lines.append(f"          {name[cut + 14:] if cut >= 0 else name}:{fr.get('line')}"
+                     f" {fr.get('name')}")
+    return lines
+
+
+def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
+           around: int = 3) -> str:
+    """The per-step table, then each step's first difference from the step before."""
+    lines = ["step  allocs   frees  alloc GiB  mapped GiB  unmapped GiB  unmap bursts  ooms"
+             "  peak reserved GiB"]
+    for step, entries in sorted(steps.items()):
+        r = step_row(entries, reserved.get(step - 1))
+        peak = "" if r["peak_reserved"] is None else f"{r['peak_reserved'] / (1 << 30):.2f}"
+        gib = 1 << 30
+        lines.append(f"{step:4d} {r['allocs']:7d} {r['frees']:7d} {r['alloc_bytes'] / gib:10.2f}"
+                     f" {r['mapped'] / gib:11.2f} {r['unmapped'] / gib:13.2f}"
+                     f" {r['unmap_bursts']:13d} {r['ooms']:5d} {peak:>18s}")
+    for step in sorted(steps):
+        if step - 1 not in steps:
+            continue
+        before, now = steps[step - 1], steps[step]
+        diff = first_difference(before, now)
+        if diff is None:
+            lines.append(f"step {step}: the same allocations and frees as step {step - 1}")
+            continue
+        k, i, j = diff
+        lines.append(f"step {step}: differs from step {step - 1} at its allocation or free "
+                     f"#{k} (of {len(sequence(now))}; {len(sequence(before))} before)")
+        for label, entries, at in ((f"step {step - 1}", before, i), (f"step {step}", now, j)):
+            lines.append(f"    {label}:")
+            for e in entries[max(0, at - around):at + around + 1]:
+                lines.extend(_entry(e, stacks))
+    return "\n".join(lines)
+
+
+class Recorder:
+    """Counts the main thread's backwards; records the allocator's history over steps ``first``
+    to ``last`` (from the end of step ``first - 1``, which must be 1 or later)."""
+
+    def __init__(self, first: int, last: int, stacks: bool, dump: Optional[str]):
+        self.first, self.last, self.stacks, self.dump = first, last, stacks, dump
+        self.step = 0
+        self.reserved: Dict[int, int] = {}
+        self.trace: Optional[List[dict]] = None
+
+    def install(self) -> None:
+        import threading
+
+        import torch
+        original = torch.autograd.backward
+
+        def backward(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if threading.current_thread() is threading.main_thread():
+                self.ended()
+            return result
+
+        torch.autograd.backward = backward
+
+    def ended(self) -> None:
+        import torch
+        step, self.step = self.step + 1, self.step + 1
+        if not torch.cuda.is_available() or not (self.first - 1 <= step <= self.last):
+            return
+        if step == self.first - 1:
+            torch.cuda.memory._record_memory_history(
+                max_entries=1_000_000, stacks="python" if self.stacks else None)
+        self.reserved[step] = torch.cuda.memory_reserved()
+        mark = torch.empty(marker_size(step), dtype=torch.uint8, device="cuda")
+        del mark
+        if step == self.last:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.trace = snapshot["device_traces"][torch.cuda.current_device()]
+            if self.dump:
+                with open(self.dump, "wb") as f:
+                    pickle.dump({"trace": self.trace, "reserved": self.reserved}, f)
+
+    def finish(self, stacks: int) -> None:
+        if self.trace is None:
+            print(f"alloc_trace: no trace: {self.step} backward(s) on the main thread, steps "
+                  f"{self.first + 1}-{self.last} asked" + ("" if _cuda() else "; no CUDA device"),
+                  file=sys.stderr, flush=True)
+            return
+        steps = split_steps(self.trace, self.first, self.last)
+        print(report(steps, self.reserved, stacks), file=sys.stderr, flush=True)
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _steps(text: str) -> Tuple[int, int]:
+    a, _, b = text.partition("-")
+    first, last = int(a), int(b or a)
+    if first < 3 or last < first:
+        raise argparse.ArgumentTypeError(
+            f"bad steps {text!r}: FIRST-LAST, 3 <= FIRST <= LAST (each step is compared with the "
+            "one before it, and recording starts as a step ends: CUDA is left alone until then)")
+    return first, last
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    own, command = split_command("alloc_trace", sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=_steps, default=_steps("3-6"),
+                    help="steps to report, FIRST-LAST, counted from 1 (FIRST >= 3)")
+    ap.add_argument("--stacks", nargs="?", type=int, const=12, default=0,
+                    help="record Python stacks, and show this many frames an entry (12)")
+    ap.add_argument("--dump", help="write the trace and the reserved bytes (pickle)")
+    args = ap.parse_args(own)
+    first, last = args.steps
+    recorder = Recorder(first - 1, last, bool(args.stacks), args.dump)
+    recorder.install()
+    atexit.register(recorder.finish, args.stacks)
+    run_command(command)
+
+
+if __name__ == "__main__":
+    main()

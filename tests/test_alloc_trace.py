@@ -1,0 +1,87 @@
+"""scripts/alloc_trace.py: the allocator's trace cut into steps at its markers, counted per step,
+and each step's first difference from the step before."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import alloc_trace as at  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _e(action, size, **kw):
+    return dict(action=action, size=size, **kw)
+
+
+def _step(sizes, extra=()):
+    """A step that allocates ``sizes`` in order, then frees them in reverse, with ``extra``
+    entries (segment maps, unmaps, out-of-memory) after its first allocation."""
+    out = [_e("alloc", sizes[0] * MIB), *extra]
+    out += [_e("alloc", s * MIB) for s in sizes[1:]]
+    out += [_e("free_requested", s * MIB) for s in reversed(sizes)]
+    return out
+
+
+def _trace(steps, first):
+    """Marker allocations (freed at once) at the end of step ``first - 1`` and each after."""
+    trace = []
+    for k, entries in enumerate([[]] + steps):
+        if k:
+            trace += entries
+        mark = at.marker_size(first - 1 + k)
+        trace += [_e("alloc", mark), _e("free_requested", mark), _e("free_completed", mark)]
+    return trace
+
+
+def test_the_trace_is_cut_into_steps_at_the_markers_and_counted():
+    steps = [_step([4, 2]), _step([4, 2], [_e("segment_map", 20 * MIB)]),
+             _step([4, 2, 1], [_e("segment_unmap", 20 * MIB), _e("segment_unmap", 40 * MIB),
+                               _e("segment_map", 80 * MIB), _e("oom", 0)])]
+    cut = at.split_steps(_trace(steps, first=4), 4, 6)
+    assert sorted(cut) == [4, 5, 6]
+    assert cut[4] == steps[0] and cut[6] == steps[2]      # markers and their frees left out
+    row = at.step_row(cut[6], reserved_at_start=1000 * MIB)
+    assert (row["allocs"], row["frees"], row["alloc_bytes"]) == (3, 3, 7 * MIB)
+    assert (row["mapped"], row["unmapped"], row["unmap_bursts"], row["ooms"]) == (
+        80 * MIB, 60 * MIB, 1, 1)
+    # reserved: 1000 MiB at the start, 60 unmapped, then 80 mapped: 1020 at most
+    assert row["peak_reserved"] == 1020 * MIB
+    assert at.step_row(cut[5], 100 * MIB)["peak_reserved"] == 120 * MIB
+
+
+def test_a_step_is_compared_with_the_one_before_by_its_allocations_in_order():
+    same, other = _step([4, 2]), _step([4, 3])
+    assert at.first_difference(same, _step([4, 2], [_e("segment_map", MIB)])) is None
+    k, i, j = at.first_difference(same, other)
+    assert k == 1 and same[i]["size"] == 2 * MIB and other[j]["size"] == 3 * MIB
+    longer = _step([4, 2, 1])
+    assert at.first_difference(same, longer)[0] == 2
+    text = at.report({4: same, 5: _step([4, 2]), 6: other}, {3: 0, 4: 0, 5: 0})
+    assert "step 5: the same allocations and frees as step 4" in text
+    assert "step 6: differs from step 5 at its allocation or free #1" in text
+    assert "3.000 MiB" in text and "2.000 MiB" in text
+
+
+def test_frames_are_shown_with_each_differing_entry():
+    frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 7, "name": "linear"}
+    before = _step([4, 2])
+    now = [_e("alloc", 4 * MIB), _e("alloc", 5 * MIB, frames=[frame])]
+    text = at.report({4: before, 5: now}, {}, stacks=3)
+    assert "torch/nn/functional.py:7 linear" in text
+
+
+def test_the_tool_asks_for_steps_it_can_compare_and_says_why_there_is_no_trace(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nx = torch.ones(3, requires_grad=True)\n"
+                      "for _ in range(4):\n    (x * 2).sum().backward()\n")
+    tool = str(ROOT / "scripts" / "alloc_trace.py")
+    bad = subprocess.run([sys.executable, tool, "--steps", "1-2", "--", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "3 <= FIRST" in bad.stderr
+    run = subprocess.run([sys.executable, tool, "--steps", "3-9", "--", str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "no trace: 4 backward(s) on the main thread, steps 3-9" in run.stderr, run.stderr
