@@ -185,6 +185,10 @@ class StepBoundaries:
         in every step either way.)"""
         st = self.state
         st.base = base = self.device.memory_allocated()
+        if self.rebuilds is not None:
+            # The recorder's ops are counted from here: the forward's, not the optimizer's, nor
+            # (under ``lmsrt run``) the script's before its first step.
+            self.rebuilds.dispatched[0] = 0
         self.gauge.restart(base)
         policy, plan, step = self.policy, self.plan, self.step
         policy.begin_step(plan, base, first)
@@ -287,8 +291,8 @@ class StepBoundaries:
         if mismatched:
             self.diagnostics.rebuild_mismatch(mismatched)
         st = self.state
-        if not self.rebuilds.judge_recorder(s if self.plan.planned else None,
-                                            st.forward_s, time.perf_counter() - st.began):
+        if not self.rebuilds.judge_recorder(s, st.forward_s, time.perf_counter() - st.began,
+                                            planned=self.plan.planned):
             return {}
         trusted = self.rebuilds.trusted
         return {i: reads for i, (sig, reads) in self.state.sigs.items() if sig in trusted}

@@ -240,23 +240,33 @@ class Rebuilds:
         return ms, made, sorted(mismatched)
 
 
-    def judge_recorder(self, step, forward_s: float = 0.0, step_s: float = 0.0) -> bool:
-        """After each step (a planned one's ``StepStats``; None for others, which are not
-        judged) that rebuilt storages: whether noting recipes is still worth its cost in forward
-        (``_DISPATCH_S`` an op) against the step time that copying those storages instead would
-        add: their copies' launches, and what of their bytes the link could not hide beside the
-        copies the step made, out under its forward (``forward_s`` of wall time) and in under
-        the rest of it (``step_s`` less that, up to twice forward). Once not, never again in
-        this run (said once). Measured on resnet152 at a 12 GiB cap on an
-        H200: the recorder took ~20 ms of forward's host time a step to save copies of 1.2 GiB
-        that the link had room for under a 0.08 s forward, and its plan (state moved for the
-        rebuilds' room) ran 0.25 s a step against 0.19 with the recorder off."""
+    def judge_recorder(self, step, forward_s: float = 0.0, step_s: float = 0.0,
+                       planned: bool = True) -> bool:
+        """After each step (its ``StepStats``, or None) that rebuilt storages: whether noting
+        recipes is still worth its cost in forward (``_DISPATCH_S`` an op of the step's forward)
+        against the step time that copying those storages instead would add: their copies'
+        launches, and what of their bytes the link could not hide beside the copies the step
+        made, out under its forward (``forward_s`` of wall time) and in under the rest of it
+        (``step_s`` less that, up to twice forward). Once not, never again in this run (said
+        once). Measured on resnet152 at a 12 GiB cap on an H200: the recorder took ~20 ms of
+        forward's host time a step to save copies of 1.2 GiB that the link had room for under
+        a 0.08 s forward, and its plan (state moved for the rebuilds' room) ran 0.25 s a step
+        against 0.19 with the recorder off.
+
+        A step not ``planned`` (one that learnt: its times hold first calls' costs) is judged
+        only against the most its copies could add: all of them shown, at half the nominal
+        link (the Trainer with its own checkpointing: 2,143 ops, ~107 ms, to rebuild 0.06 GiB
+        whose copies take ~2 ms; it took step 2's forward, and its judge's probe step 3's)."""
         ops, self.dispatched[0] = self.dispatched[0], 0
         if not self.worthwhile or step is None or not step.rebuilt_bytes:
             return self.worthwhile
         cost = ops * self.dispatch_s
         if cost <= _MATERIAL_S:
             return True
+        rebuilt = step.rebuilt_bytes
+        if not planned:
+            most = 2 * (step.rebuilt_tensors * _COPY_FIXED_S + rebuilt / (_LINK_BYTES_PER_S / 2))
+            return self._weigh(ops, cost, most, rebuilt, "could add at most")
         from .plan import link_bandwidth
         try:
             bandwidth = link_bandwidth(self.device)
@@ -264,18 +274,22 @@ class Rebuilds:
             bandwidth = _LINK_BYTES_PER_S
         # Backward as the rest of the step, up to twice forward (the rest holds the optimizer,
         # the next batch's loading, an evaluation: no copies of backward's hide there).
-        rebuilt, back = step.rebuilt_bytes, min(step_s - forward_s, 2 * forward_s)
+        back = min(step_s - forward_s, 2 * forward_s)
         saved = (2 * step.rebuilt_tensors * _COPY_FIXED_S
                  + exposed(step.out_bytes, rebuilt, bandwidth, forward_s)
                  + exposed(step.in_bytes, rebuilt, bandwidth, back))
+        return self._weigh(ops, cost, saved, rebuilt, "would add (the link hides the rest)")
+
+    def _weigh(self, ops: int, cost: float, saved: float, rebuilt: int, how: str) -> bool:
+        """Off for the run where the recorder's ``cost`` passes the copies' ``saved`` time."""
         if cost > saved:
             self.worthwhile = False
             say_once("recorder-cost",
                      f"lmsrt: rebuilding saved tensors costs more than it saves here: {ops} ops "
                      f"a forward pass through the rebuild recorder (~{cost * 1e3:.0f} ms of "
                      f"Python) against ~{saved * 1e3:.0f} ms of step time that copying the "
-                     f"{rebuilt / 2**30:.2f} GiB it rebuilds would add (the link hides the "
-                     "rest); those tensors are moved or kept from the next step on (said once).")
+                     f"{rebuilt / 2**30:.2f} GiB it rebuilds {how}; those tensors are moved "
+                     "or kept from the next step on (said once).")
         return self.worthwhile
 
     def refusals(self) -> Dict[str, str]:
