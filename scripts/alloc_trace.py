@@ -3,7 +3,8 @@ from the step before's.
 
     python scripts/alloc_trace.py --steps 3-6 -- lmsrt run --gpu-limit 14 train.py
     python scripts/alloc_trace.py --steps 3-6 --stacks -- train.py --gpu-limit 14
-    python scripts/alloc_trace.py --steps 3-6 --dump trace.pickle -- lmsrt run train.py
+    python scripts/alloc_trace.py --steps 3-6 --dump lmsrt.pickle -- lmsrt run train.py
+    python scripts/alloc_trace.py --diff plain.pickle lmsrt.pickle    # where the runs part
 
 Runs the command in this process (as host_sampler.py does) with the allocator's history recorded
 (``torch.cuda.memory._record_memory_history``) from the end of step FIRST-2 to the end of step
@@ -124,18 +125,24 @@ def _entry(e: dict, stacks: int) -> List[str]:
     return lines
 
 
-def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
-           around: int = 3) -> str:
-    """The per-step table, then each step's first difference from the step before."""
+def table(steps: Dict[int, List[dict]], reserved: Dict[int, int]) -> List[str]:
+    """One line a step: its counts, bytes mapped and unmapped, and the reserved peak in it."""
     lines = ["step  allocs   frees  alloc GiB  mapped GiB  unmapped GiB  unmap bursts  ooms"
              "  peak reserved GiB"]
+    gib = 1 << 30
     for step, entries in sorted(steps.items()):
         r = step_row(entries, reserved.get(step - 1))
-        peak = "" if r["peak_reserved"] is None else f"{r['peak_reserved'] / (1 << 30):.2f}"
-        gib = 1 << 30
+        peak = "" if r["peak_reserved"] is None else f"{r['peak_reserved'] / gib:.2f}"
         lines.append(f"{step:4d} {r['allocs']:7d} {r['frees']:7d} {r['alloc_bytes'] / gib:10.2f}"
                      f" {r['mapped'] / gib:11.2f} {r['unmapped'] / gib:13.2f}"
                      f" {r['unmap_bursts']:13d} {r['ooms']:5d} {peak:>18s}")
+    return lines
+
+
+def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
+           around: int = 3) -> str:
+    """The per-step table, then each step's first difference from the step before."""
+    lines = table(steps, reserved)
     for step in sorted(steps):
         if step - 1 not in steps:
             continue
@@ -144,13 +151,42 @@ def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int =
         if diff is None:
             lines.append(f"step {step}: the same allocations and frees as step {step - 1}")
             continue
-        k, i, j = diff
         lines.append(f"step {step}: differs from step {step - 1} at its allocation or free "
-                     f"#{k} (of {len(sequence(now))}; {len(sequence(before))} before)")
-        for label, entries, at in ((f"step {step - 1}", before, i), (f"step {step}", now, j)):
-            lines.append(f"    {label}:")
-            for e in entries[max(0, at - around):at + around + 1]:
-                lines.extend(_entry(e, stacks))
+                     f"#{diff[0]} (of {len(sequence(now))}; {len(sequence(before))} before)")
+        lines += _around(diff, (f"step {step - 1}", before), (f"step {step}", now), stacks,
+                         around)
+    return "\n".join(lines)
+
+
+def _around(diff, first: tuple, second: tuple, stacks: int, around: int) -> List[str]:
+    """The entries of two sequences around their first difference (``first_difference``)."""
+    lines = []
+    for (label, entries), at in ((first, diff[1]), (second, diff[2])):
+        lines.append(f"    {label}:")
+        for e in entries[max(0, at - around):at + around + 1]:
+            lines.extend(_entry(e, stacks))
+    return lines
+
+
+def diff_report(a: dict, b: dict, names=("A", "B"), stacks: int = 0, around: int = 3) -> str:
+    """Two runs' dumps step by step: the table of each, then where each step of ``b`` first
+    differs from the same step of ``a`` (lmsrt's run against the plain one, say)."""
+    lines = []
+    cut = {}
+    for name, d in zip(names, (a, b)):
+        cut[name] = split_steps(d["trace"], d["first"], d["last"])
+        lines.append(f"== {name}")
+        lines += table(cut[name], d["reserved"])
+    na, nb = names
+    for step in sorted(set(cut[na]) & set(cut[nb])):
+        diff = first_difference(cut[na][step], cut[nb][step])
+        if diff is None:
+            lines.append(f"step {step}: {nb} allocates and frees as {na} does")
+            continue
+        lines.append(f"step {step}: {nb} differs from {na} at allocation or free #{diff[0]} "
+                     f"(of {len(sequence(cut[nb][step]))}; {len(sequence(cut[na][step]))} in "
+                     f"{na})")
+        lines += _around(diff, (na, cut[na][step]), (nb, cut[nb][step]), stacks, around)
     return "\n".join(lines)
 
 
@@ -195,7 +231,8 @@ class Recorder:
             self.trace = snapshot["device_traces"][torch.cuda.current_device()]
             if self.dump:
                 with open(self.dump, "wb") as f:
-                    pickle.dump({"trace": self.trace, "reserved": self.reserved}, f)
+                    pickle.dump({"trace": self.trace, "reserved": self.reserved,
+                                 "first": self.first, "last": self.last}, f)
 
     def finish(self, stacks: int) -> None:
         if self.trace is None:
@@ -223,7 +260,20 @@ def _steps(text: str) -> Tuple[int, int]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    own, command = split_command("alloc_trace", sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--diff"]:
+        ap = argparse.ArgumentParser(description="two runs' dumps compared step by step")
+        ap.add_argument("--diff", nargs=2, metavar=("A", "B"), required=True,
+                        help="dumps (--dump) of two runs of the same steps")
+        ap.add_argument("--stacks", type=int, default=12, help="frames shown an entry")
+        args = ap.parse_args(argv)
+        dumps = []
+        for path in args.diff:
+            with open(path, "rb") as f:
+                dumps.append(pickle.load(f))
+        print(diff_report(*dumps, names=tuple(args.diff), stacks=args.stacks))
+        return
+    own, command = split_command("alloc_trace", argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=_steps, default=_steps("3-6"),
                     help="steps to report, FIRST-LAST, counted from 1 (FIRST >= 3)")

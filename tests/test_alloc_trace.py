@@ -85,3 +85,25 @@ def test_the_tool_asks_for_steps_it_can_compare_and_says_why_there_is_no_trace(t
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "no trace: 4 backward(s) on the main thread, steps 3-9" in run.stderr, run.stderr
+
+
+def test_two_runs_dumps_are_compared_step_by_step(tmp_path):
+    """``--diff A B``: each step of B against the same step of A (lmsrt's run against the plain
+    one): where B's allocations and frees first part from A's."""
+    import pickle
+    plain = [_step([4, 2]), _step([4, 2])]
+    frame = {"filename": "/w/lmsrt/engine/forward.py", "line": 9, "name": "pack"}
+    lmsrt = [_step([4, 2]), [_e("alloc", 4 * MIB), _e("alloc", 64 * MIB, frames=[frame])]]
+    paths = []
+    for name, steps in (("plain", plain), ("lmsrt", lmsrt)):
+        path = tmp_path / f"{name}.pickle"
+        path.write_bytes(pickle.dumps({"trace": _trace(steps, first=4), "first": 4, "last": 5,
+                                       "reserved": {3: 0, 4: 0}}))
+        paths.append(str(path))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "alloc_trace.py"), "--diff",
+                          *paths, "--stacks", "2"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert f"step 4: {paths[1]} allocates and frees as {paths[0]} does" in out, out
+    assert f"step 5: {paths[1]} differs from {paths[0]} at allocation or free #1" in out, out
+    assert "64.000 MiB" in out and "lmsrt/engine/forward.py:9 pack" in out, out
