@@ -135,6 +135,10 @@ def format_headline(stats: Dict[str, object]) -> str:
     peak = f"GPU peak {format_bytes(t['gpu_peak_bytes'])}"
     if limit:
         peak += f" of {format_bytes(limit)} ({t['gpu_peak_bytes'] / limit:.0%})"
+    retried = _retries_a_step(stats)
+    if retried:
+        peak += (f", the allocator freeing its cache {retried} time{'s' if retried > 1 else ''} "
+                 "a step to go on (a device sync each)")
     parts.append(peak)
     waited = last.get("swapout_wait_ms", 0.0) + last.get("swapin_wait_ms", 0.0)
     stalled = f" (the GPU waited {waited:.0f} ms for copies)" if waited >= 1 else ""
@@ -143,6 +147,13 @@ def format_headline(stats: Dict[str, object]) -> str:
                  f"{format_bytes(last['recomputed_bytes'])}")
     parts.append(_changed(stats))
     return "lmsrt: " + "; ".join(parts)
+
+
+def _retries_a_step(stats: Dict[str, object]) -> int:
+    """The caching allocator's retries in the median of the last ten planned steps."""
+    recent = [h.get("alloc_retries", 0) for h in (stats.get("history") or [])[-10:]
+              if h.get("mode") == "plan"]
+    return sorted(recent)[len(recent) // 2] if recent else 0
 
 
 def format_off(why: str) -> str:

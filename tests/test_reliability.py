@@ -41,6 +41,7 @@ from lmsrt import host_memory as host_module  # the budget: psutil, cgroups
 from lmsrt.device import SimulatedDevice
 from lmsrt.host_memory import cgroup_available, host_budget
 from lmsrt.stats import HISTORY_STEPS
+from lmsrt.summary import format_headline
 from lmsrt.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -933,3 +934,5 @@ def test_allocator_retries_are_counted_per_step_and_said_once():
     said = [w for w in caught if "ran out of room" in w]
     assert len(said) == 1 and "lms_frac" in said[0], caught
     assert "allocator retries" in lms.summary()
+    headline = format_headline(lms.stats())
+    assert "the allocator freeing its cache 2 times a step to go on" in headline, headline
