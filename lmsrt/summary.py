@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .units import format_bytes
 
-__all__ = ["format_blocks", "format_headline", "format_summary", "format_off", "moved", "HEADLINE",
-           "LABELS"]
+__all__ = ["format_blocks", "format_headline", "format_summary", "format_off", "moved",
+           "retries_a_step", "HEADLINE", "LABELS"]
 
 # The headline's start: how ``lmsrt tune`` finds where a trial's summary begins in its stderr.
 HEADLINE = re.compile(r"^lmsrt: \d+ steps? ")
@@ -135,7 +135,7 @@ def format_headline(stats: Dict[str, object]) -> str:
     peak = f"GPU peak {format_bytes(t['gpu_peak_bytes'])}"
     if limit:
         peak += f" of {format_bytes(limit)} ({t['gpu_peak_bytes'] / limit:.0%})"
-    retried = _retries_a_step(stats)
+    retried = retries_a_step(stats)
     if retried:
         peak += (f", the allocator freeing its cache {retried} time{'s' if retried > 1 else ''} "
                  "a step to go on (a device sync each)")
@@ -149,7 +149,7 @@ def format_headline(stats: Dict[str, object]) -> str:
     return "lmsrt: " + "; ".join(parts)
 
 
-def _retries_a_step(stats: Dict[str, object]) -> int:
+def retries_a_step(stats: Dict[str, object]) -> int:
     """The caching allocator's retries in the median of the last ten planned steps."""
     recent = [h.get("alloc_retries", 0) for h in (stats.get("history") or [])[-10:]
               if h.get("mode") == "plan"]

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 import click
 
+from ..summary import retries_a_step
 from ..units import GiB, format_bytes
 
 __all__ = ["command", "format_steps", "learning_cost", "step_rows"]
@@ -79,6 +80,10 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
     regions = stats.get("regions") or {}
     tail = [f"settled step (median after warm-up): {median:.3f} s" if median else
             "settled step: too few steps timed"]
+    retried = retries_a_step(stats)
+    if retried:
+        tail[0] += (f", with {retried} allocator retr{'y' if retried == 1 else 'ies'} a planned "
+                    "step (scripts/alloc_trace.py shows where the allocator ran short)")
     cost = learning_cost(stats)
     if cost:
         tail.append(cost)
@@ -88,10 +93,11 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
                 "followed the plan; CPU: seconds of the process's threads in the step (near "
                 "its time, the host is the limit); rerun: GPU time of the regions recomputed "
                 "and the tensors rebuilt in backward; waited: GPU time forward and backward "
-                "stood still for copies" + ("; state in: optimizer state brought in for the "
-                                            "optimizer's step, and written back after it; "
-                                            "update: GPU time of that step, copies in included"
-                                            if state else ""))
+                "stood still for copies; retries: the caching allocator freed its cache and "
+                "tried again (a device sync each)"
+                + ("; state in: optimizer state brought in for the optimizer's step, and "
+                   "written back after it; update: GPU time of that step, copies in included"
+                   if state else ""))
     return "\n".join(lines + [""] + tail)
 
 

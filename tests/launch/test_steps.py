@@ -77,6 +77,16 @@ def test_what_the_learning_steps_cost_is_said():
     assert learning_cost(dict(stats, step_time_median_s=None)) == ""
 
 
+def test_allocator_retries_of_settled_steps_are_said_under_the_table(stats_file):
+    stats = json.loads(stats_file.read_text())
+    assert "allocator retr" not in format_steps(stats).split("\n\n")[1].splitlines()[0]
+    for s in stats["history"]:
+        s["alloc_retries"] = 1 if s["mode"] == "plan" else 0
+    text = format_steps(stats)
+    assert "with 1 allocator retry a planned step" in text.split("\n\n")[1].splitlines()[0]
+    assert "retries: the caching allocator freed its cache" in text
+
+
 def test_what_is_not_a_stats_file_is_refused_in_one_line(tmp_path):
     bad = write(tmp_path / "bad.json", "[1, 2]")
     result = invoke("steps", bad)
