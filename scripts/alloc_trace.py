@@ -14,7 +14,8 @@ no other allocation is likely to have: 512 bytes times 1237 plus the step) and r
 reserved bytes there, so the trace splits by step
 and the reserved bytes can be followed through each step. Per step it prints the allocations and
 frees, the bytes mapped and unmapped (expandable segments) or the segments made and freed, the
-unmap bursts (each a retry, or an ``empty_cache``), the allocator's out-of-memory events, the
+unmap bursts (each a retry, or an ``empty_cache``; the allocation just before each, the one that
+ran short, is shown), the allocator's out-of-memory events, the
 peak of reserved bytes inside the step (a script's or lmsrt's resets of the peak counters do not
 hide it), and the first entry where the step's sequence of allocations and frees (sizes, in
 order) differs from the step before's, with a few entries of each around it (their Python frames
@@ -139,10 +140,28 @@ def table(steps: Dict[int, List[dict]], reserved: Dict[int, int]) -> List[str]:
     return lines
 
 
+def bursts(entries: List[dict]) -> List[Tuple[int, Optional[int]]]:
+    """(index of each unmap burst's first unmap, index of the allocation just before it, the
+    one that ran short: None where the step has none before it)."""
+    found, last = [], None
+    for i, e in enumerate(entries):
+        if e["action"] in ("segment_unmap", "segment_free") and (
+                i == 0 or entries[i - 1]["action"] not in ("segment_unmap", "segment_free")):
+            found.append((i, last))
+        elif e["action"] == "alloc":
+            last = i
+    return found
+
+
 def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
            around: int = 3) -> str:
-    """The per-step table, then each step's first difference from the step before."""
+    """The per-step table; the allocation before each step's first two unmap bursts (a retry:
+    the one that ran short); then each step's first difference from the step before."""
     lines = table(steps, reserved)
+    for step, entries in sorted(steps.items()):
+        for i, short in bursts(entries)[:2]:
+            lines.append(f"step {step}: an unmap burst at entry {i}, after")
+            lines += _entry(entries[short], stacks) if short is not None else ["      (none)"]
     for step in sorted(steps):
         if step - 1 not in steps:
             continue

@@ -107,3 +107,14 @@ def test_two_runs_dumps_are_compared_step_by_step(tmp_path):
     assert f"step 4: {paths[1]} allocates and frees as {paths[0]} does" in out, out
     assert f"step 5: {paths[1]} differs from {paths[0]} at allocation or free #1" in out, out
     assert "64.000 MiB" in out and "lmsrt/engine/forward.py:9 pack" in out, out
+
+
+def test_the_allocation_that_ran_short_is_shown_before_each_unmap_burst():
+    frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 3, "name": "linear"}
+    step = [_e("alloc", 4 * MIB), _e("alloc", 96 * MIB, frames=[frame]),
+            _e("segment_unmap", 20 * MIB), _e("segment_unmap", 20 * MIB),
+            _e("segment_map", 96 * MIB), _e("free_requested", 4 * MIB)]
+    assert at.bursts(step) == [(2, 1)]
+    text = at.report({4: step}, {3: 0}, stacks=2)
+    assert "step 4: an unmap burst at entry 2, after" in text
+    assert "96.000 MiB" in text and "torch/nn/functional.py:3 linear" in text
