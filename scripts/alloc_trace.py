@@ -7,22 +7,21 @@ from the step before's.
     python scripts/alloc_trace.py --diff plain.pickle lmsrt.pickle    # where the runs part
 
 Runs the command in this process (as host_sampler.py does) with the allocator's history recorded
-(``torch.cuda.memory._record_memory_history``) from the end of step FIRST-2 to the end of step
-LAST (step FIRST-1 is recorded to compare FIRST with), a step ending where a backward called on
-the main thread returns. Each step boundary allocates and frees one small marker block (a size
-no other allocation is likely to have: 512 bytes times 1237 plus the step) and reads the
-reserved bytes there, so the trace splits by step
-and the reserved bytes can be followed through each step. Per step it prints the allocations and
-frees, the bytes mapped and unmapped (expandable segments) or the segments made and freed, the
-unmap bursts (each a retry, or an ``empty_cache``; the allocation just before each, the one that
-ran short, is shown), the allocator's out-of-memory events, the
-peak of reserved bytes inside the step (a script's or lmsrt's resets of the peak counters do not
-hide it), and the first entry where the step's sequence of allocations and frees (sizes, in
-order) differs from the step before's, with a few entries of each around it (their Python frames
-with ``--stacks``). A model that allocates the same sequence every step keeps its layout; one
-whose steps differ can need more reserved bytes than its allocated peak says.
+(``torch.cuda.memory._record_memory_history``) from the end of step FIRST-2 to the end of step LAST
+(step FIRST-1 is recorded to compare FIRST with), a step ending where a backward called on the main
+thread returns. Each step boundary allocates and frees one small marker block (a size no other
+allocation is likely to have: 512 bytes times 1237 plus the step) and reads the reserved bytes
+there, so the trace splits by step and the reserved bytes can be followed through each step. Per
+step it prints the allocations and frees, the bytes mapped and unmapped (expandable segments) or the
+segments made and freed, the unmap bursts (each a retry, or an ``empty_cache``; the allocation just
+before each, the one that ran short, is shown), the allocator's out-of-memory events, the peak of
+reserved bytes inside the step (a script's or lmsrt's resets of the peak counters do not hide it),
+and the first entry where the step's sequence of allocations and frees (sizes, in order) differs
+from the step before's, with a few entries of each around it (their Python frames with
+``--stacks``). A model that allocates the same sequence every step keeps its layout; one whose steps
+differ can need more reserved bytes than its allocated peak says.
 
-Found this way: under lmsrt the Trainer with its own checkpointing retried once every step from
+Made for this: under lmsrt the Trainer with its own checkpointing retried once every step from
 step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29).
 """
 from __future__ import annotations
