@@ -150,10 +150,11 @@ def format_headline(stats: Dict[str, object]) -> str:
 
 
 def retries_a_step(stats: Dict[str, object]) -> int:
-    """The caching allocator's retries in the median of the last ten planned steps."""
-    recent = [h.get("alloc_retries", 0) for h in (stats.get("history") or [])[-10:]
-              if h.get("mode") == "plan"]
-    return sorted(recent)[len(recent) // 2] if recent else 0
+    """The caching allocator's retries a step: the median (the lower of two) of the last ten
+    planned steps'; 0 where no step was planned."""
+    planned = [h.get("alloc_retries", 0) for h in (stats.get("history") or [])
+               if h.get("mode") == "plan"][-10:]
+    return sorted(planned)[(len(planned) - 1) // 2] if planned else 0
 
 
 def format_off(why: str) -> str:

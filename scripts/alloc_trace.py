@@ -13,13 +13,14 @@ thread returns. Each step boundary allocates and frees one small marker block (a
 allocation is likely to have: 512 bytes times 1237 plus the step) and reads the reserved bytes
 there, so the trace splits by step and the reserved bytes can be followed through each step. Per
 step it prints the allocations and frees, the bytes mapped and unmapped (expandable segments) or the
-segments made and freed, the unmap bursts (each a retry, or an ``empty_cache``; the allocation just
-before each, the one that ran short, is shown), the allocator's out-of-memory events, the peak of
-reserved bytes inside the step (a script's or lmsrt's resets of the peak counters do not hide it),
-and the first entry where the step's sequence of allocations and frees (sizes, in order) differs
-from the step before's, with a few entries of each around it (their Python frames with
-``--stacks``). A model that allocates the same sequence every step keeps its layout; one whose steps
-differ can need more reserved bytes than its allocated peak says.
+segments made and freed, the unmap bursts (each a retry, or an ``empty_cache``) with the allocation
+that ran short (the first after the burst: the allocator frees its cache, maps afresh, then records
+the allocation), the allocator's out-of-memory events, the peak of reserved bytes inside the step (a
+script's or lmsrt's resets of the peak counters do not hide it), and the first entry where the
+step's sequence of allocations and frees (sizes, in order) differs from the step before's, with a
+few entries of each around it (their Python frames with ``--stacks``). A model that allocates the
+same sequence every step keeps its layout; one whose steps differ can need more reserved bytes than
+its allocated peak says.
 
 Made for this: under lmsrt the Trainer with its own checkpointing retried once every step from
 step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29).
@@ -35,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 from in_process import run_command, split_command
 
 MARK = 512 * 1237          # marker bytes, plus 512 per step
+MAX_ENTRIES = 1_000_000    # the allocator's ring of trace entries
 _MIB = 1 << 20
 
 
@@ -44,10 +46,13 @@ def marker_size(step: int) -> int:
 
 def split_steps(trace: List[dict], first: int, last: int) -> Dict[int, List[dict]]:
     """The trace's entries by step (``first``..``last``), cut at the marker allocations made at
-    the end of steps ``first - 1`` .. ``last`` (the markers themselves left out)."""
+    the end of steps ``first - 1`` .. ``last``: a block of a marker's size freed at once, its
+    free the next entry (the markers themselves left out)."""
     cuts = {}
-    for i, e in enumerate(trace):
-        if e["action"] == "alloc" and (e["size"] - MARK) % 512 == 0:
+    for i, e in enumerate(trace[:-1]):
+        after = trace[i + 1]
+        if (e["action"] == "alloc" and (e["size"] - MARK) % 512 == 0
+                and after["action"] == "free_requested" and after.get("addr") == e.get("addr")):
             step = (e["size"] - MARK) // 512
             if first - 1 <= step <= last and step not in cuts:
                 cuts[step] = i
@@ -140,26 +145,27 @@ def table(steps: Dict[int, List[dict]], reserved: Dict[int, int]) -> List[str]:
 
 
 def bursts(entries: List[dict]) -> List[Tuple[int, Optional[int]]]:
-    """(index of each unmap burst's first unmap, index of the allocation just before it, the
-    one that ran short: None where the step has none before it)."""
-    found, last = [], None
+    """(index of each unmap burst's first unmap, index of the allocation that ran short: the
+    first after the burst, as the allocator frees its cache, maps afresh, and only then records
+    the allocation; None where the step has none after it)."""
+    found = []
     for i, e in enumerate(entries):
         if e["action"] in ("segment_unmap", "segment_free") and (
                 i == 0 or entries[i - 1]["action"] not in ("segment_unmap", "segment_free")):
-            found.append((i, last))
-        elif e["action"] == "alloc":
-            last = i
+            short = next((j for j in range(i + 1, len(entries))
+                          if entries[j]["action"] == "alloc"), None)
+            found.append((i, short))
     return found
 
 
 def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
            around: int = 3) -> str:
-    """The per-step table; the allocation before each step's first two unmap bursts (a retry:
-    the one that ran short); then each step's first difference from the step before."""
+    """The per-step table; the allocation that ran short at each step's first two unmap bursts
+    (a retry); then each step's first difference from the step before."""
     lines = table(steps, reserved)
     for step, entries in sorted(steps.items()):
         for i, short in bursts(entries)[:2]:
-            lines.append(f"step {step}: an unmap burst at entry {i}, after")
+            lines.append(f"step {step}: an unmap burst at entry {i}, for")
             lines += _entry(entries[short], stacks) if short is not None else ["      (none)"]
     for step in sorted(steps):
         if step - 1 not in steps:
@@ -238,8 +244,9 @@ class Recorder:
         if not torch.cuda.is_available() or not (self.first - 1 <= step <= self.last):
             return
         if step == self.first - 1:
+            # context None: no stacks kept (the default, cheaper); "all": Python frames too.
             torch.cuda.memory._record_memory_history(
-                max_entries=1_000_000, stacks="python" if self.stacks else None)
+                context="all" if self.stacks else None, stacks="python", max_entries=MAX_ENTRIES)
         self.reserved[step] = torch.cuda.memory_reserved()
         mark = torch.empty(marker_size(step), dtype=torch.uint8, device="cuda")
         del mark
@@ -258,6 +265,9 @@ class Recorder:
                   f"{self.first + 1}-{self.last} asked" + ("" if _cuda() else "; no CUDA device"),
                   file=sys.stderr, flush=True)
             return
+        if len(self.trace) >= MAX_ENTRIES:
+            print(f"alloc_trace: the allocator's ring of {MAX_ENTRIES} entries was full: the "
+                  "first steps asked may be missing; ask for fewer", file=sys.stderr, flush=True)
         steps = split_steps(self.trace, self.first, self.last)
         print(report(steps, self.reserved, stacks), file=sys.stderr, flush=True)
 

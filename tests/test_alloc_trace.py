@@ -31,13 +31,16 @@ def _trace(steps, first):
     for k, entries in enumerate([[]] + steps):
         if k:
             trace += entries
-        mark = at.marker_size(first - 1 + k)
-        trace += [_e("alloc", mark), _e("free_requested", mark), _e("free_completed", mark)]
+        mark, addr = at.marker_size(first - 1 + k), 0x7000 + k
+        trace += [_e("alloc", mark, addr=addr), _e("free_requested", mark, addr=addr),
+                  _e("free_completed", mark, addr=addr)]
     return trace
 
 
 def test_the_trace_is_cut_into_steps_at_the_markers_and_counted():
-    steps = [_step([4, 2]), _step([4, 2], [_e("segment_map", 20 * MIB)]),
+    # (a block of a marker's size that is not freed at once is no marker)
+    steps = [_step([4, 2]) + [_e("alloc", at.marker_size(5), addr=1)],
+             _step([4, 2], [_e("segment_map", 20 * MIB)]),
              _step([4, 2, 1], [_e("segment_unmap", 20 * MIB), _e("segment_unmap", 40 * MIB),
                                _e("segment_map", 80 * MIB), _e("oom", 0)])]
     cut = at.split_steps(_trace(steps, first=4), 4, 6)
@@ -109,12 +112,55 @@ def test_two_runs_dumps_are_compared_step_by_step(tmp_path):
     assert "64.000 MiB" in out and "lmsrt/engine/forward.py:9 pack" in out, out
 
 
-def test_the_allocation_that_ran_short_is_shown_before_each_unmap_burst():
+def test_the_allocation_that_ran_short_is_shown_with_each_unmap_burst():
+    """The allocator frees its cache, maps afresh, and only then records the allocation that
+    ran short: the first after the burst."""
     frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 3, "name": "linear"}
-    step = [_e("alloc", 4 * MIB), _e("alloc", 96 * MIB, frames=[frame]),
-            _e("segment_unmap", 20 * MIB), _e("segment_unmap", 20 * MIB),
-            _e("segment_map", 96 * MIB), _e("free_requested", 4 * MIB)]
-    assert at.bursts(step) == [(2, 1)]
+    step = [_e("alloc", 4 * MIB), _e("segment_unmap", 20 * MIB), _e("segment_unmap", 20 * MIB),
+            _e("segment_map", 96 * MIB), _e("alloc", 96 * MIB, frames=[frame]),
+            _e("free_requested", 4 * MIB)]
+    assert at.bursts(step) == [(1, 4)]
     text = at.report({4: step}, {3: 0}, stacks=2)
-    assert "step 4: an unmap burst at entry 2, after" in text
+    assert "step 4: an unmap burst at entry 1, for" in text
     assert "96.000 MiB" in text and "torch/nn/functional.py:3 linear" in text
+
+
+def test_the_recorder_records_from_the_step_before_the_first_and_cuts_at_its_markers(
+        monkeypatch, capsys):
+    """``Recorder`` over a fake CUDA: history recorded from the end of step FIRST-2 (with
+    arguments the allocator's recorder takes), a marker at each step end from there, a snapshot
+    and the recording stopped at step LAST; the report has steps FIRST-1 to LAST."""
+    import torch
+    calls, trace, state = [], [], {"on": False}
+    real_empty = torch.empty
+
+    def record(enabled="all", context="all", stacks="all", max_entries=0, **kw):
+        assert enabled in (None, "state", "all") and context in (None, "state", "alloc", "all")
+        assert stacks in ("python", "all") and isinstance(max_entries, int)
+        calls.append((enabled, context, stacks))
+        state["on"] = enabled is not None
+
+    def empty(n, dtype=None, device=None):
+        if device == "cuda" and state["on"]:
+            addr = 0x9000 + len(trace)
+            trace.extend([_e("alloc", n, addr=addr), _e("free_requested", n, addr=addr)])
+        return real_empty(n, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 64 * MIB)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+    monkeypatch.setattr(torch, "empty", empty)
+    rec = at.Recorder(first=4, last=6, stacks=False, dump=None)     # --steps 5-6
+    for step in range(1, 8):
+        if state["on"]:
+            trace.extend(_step([step, 1]))                          # the step's own
+        rec.ended()
+    assert calls == [("all", None, "python"), (None, "all", "all")], calls
+    assert sorted(rec.reserved) == [3, 4, 5, 6] and rec.trace is trace
+    monkeypatch.setattr(torch, "empty", real_empty)
+    rec.finish(stacks=0)
+    err = capsys.readouterr().err
+    assert "step 5: differs from step 4 at its allocation or free #0" in err, err
+    assert [line.split()[0] for line in err.splitlines()[1:4]] == ["4", "5", "6"], err

@@ -78,7 +78,8 @@ def _check(name: str, argv, forced: bool, tuning: bool = False) -> lmsrt.LMS:
         under = client.train(args, lms=lms, timer=timer)
     finally:
         lms.close()
-    assert timer.steps == args.steps and len(timer.times) == len(timer.cpu) == args.steps
+    assert timer.steps == args.steps
+    assert len(timer.times) == len(timer.cpu) == len(timer.retries) == args.steps
     assert all(loss is not None and math.isfinite(loss) for loss in timer.losses), timer.losses
     want, got = plain.state_dict(), under.state_dict()
     assert list(want) == list(got)

@@ -253,10 +253,11 @@ class Rebuilds:
         a 0.08 s forward, and its plan (state moved for the rebuilds' room) ran 0.25 s a step
         against 0.19 with the recorder off.
 
-        A step not ``planned`` (one that learnt: its times hold first calls' costs) is judged
-        only against the most its copies could add: all of them shown, at half the nominal
-        link (the Trainer with its own checkpointing: 2,143 ops, ~107 ms, to rebuild 0.06 GiB
-        whose copies take ~2 ms; it took step 2's forward, and its judge's probe step 3's)."""
+        A step without a plan (not ``planned``: the first, or one that learns again; its times
+        hold first calls' costs) is judged only against the most its copies could add: all of
+        them shown, at half the nominal link (the Trainer with its own checkpointing: 2,143
+        ops, ~107 ms, to rebuild 0.06 GiB whose copies take ~2 ms; it took step 2's forward,
+        and its judge's probe step 3's)."""
         ops, self.dispatched[0] = self.dispatched[0], 0
         if not self.worthwhile or step is None or not step.rebuilt_bytes:
             return self.worthwhile

@@ -6,6 +6,7 @@ from processes import write
 from test_cli import MLP_SCRIPT, invoke
 
 from lmsrt._cli.steps import format_steps, learning_cost, step_rows
+from lmsrt.summary import retries_a_step
 
 
 @pytest.fixture
@@ -118,3 +119,15 @@ def test_plot_without_matplotlib_says_how_to_get_it(stats_file, tmp_path, monkey
     result = invoke("steps", str(stats_file), "--plot", str(tmp_path / "x.png"))
     assert result.exit_code == 1 and "pip install matplotlib" in result.output
     assert not (tmp_path / "x.png").exists()
+
+
+def test_retries_a_step_are_the_median_of_the_last_ten_planned_steps():
+    def history(modes_retries):
+        return dict(history=[dict(step=i, mode=m, alloc_retries=r)
+                             for i, (m, r) in enumerate(modes_retries, 1)])
+
+    # learning steps retry most, and are not counted; nor planned steps before the last ten
+    runs = [("reactive", 9)] * 3 + [("plan", 5)] * 6 + [("plan", 1)] * 6 + [("reactive", 7)] * 4
+    assert retries_a_step(history(runs + [("plan", 0)] * 4)) == 1
+    assert retries_a_step(history(runs + [("plan", 0)] * 5)) == 0      # the lower of two
+    assert retries_a_step(history([("reactive", 3)] * 5)) == 0
