@@ -248,7 +248,10 @@ def test_the_matrix_runs_the_hf_client_under_lmsrt_run_unchanged(tmp_path):
     assert row["outcome"] == "ok" and row["lmsrt_active"], row
     assert row["cap_gib"] == 14 and len(row["step_times_s"]) == 3 and row["settled_s"] > 0
     assert row["cpu_s"] > 0                        # the host's share of the step, beside it
+    assert row["retries"] == 0                     # the allocator's, a settled step (no CUDA)
     assert row["moved_gib"] is not None and row["regions_note"]      # from lmsrt's --stats
     stats = json.loads((tmp_path / "runs" / "hf-lmsrt-14.stats.json").read_text())
     assert stats["total"]["steps"] == 3
-    assert "| hf | 14 | lmsrt | ok |" in (tmp_path / "clients.md").read_text()
+    table = (tmp_path / "clients.md").read_text().splitlines()
+    assert any("| CPU s | retries |" in line for line in table), table
+    assert any(line.startswith("| hf | 14 | lmsrt | ok |") for line in table), table
