@@ -15,7 +15,11 @@ there, so the trace splits by step and the reserved bytes can be followed throug
 step it prints the allocations and frees, the bytes mapped and unmapped (expandable segments) or the
 segments made and freed, the unmap bursts (each a retry, or an ``empty_cache``) with the allocation
 that ran short (the first after the burst: the allocator frees its cache, maps afresh, then records
-the allocation), the allocator's out-of-memory events, the peak of reserved bytes inside the step (a
+the allocation) and what it found: the bytes reserved and allocated then, the largest free block
+(the layout each step leaves is recorded as it ends, and the step's trace replayed over it), and
+whether reserved bytes plus the whole request passed torch's per-process cap (the cap
+``--gpu-limit`` sets counts the whole request, even where an expandable segment lacks only a few
+pages of it, so a run can retry where a GPU of that size would map those pages), the allocator's out-of-memory events, the peak of reserved bytes inside the step (a
 script's or lmsrt's resets of the peak counters do not hide it), and the first entry where the
 step's sequence of allocations and frees (sizes, in order) differs from the step before's, with a
 few entries of each around it (their Python frames with ``--stacks``). A model that allocates the
@@ -23,7 +27,11 @@ same sequence every step keeps its layout; one whose steps differ can need more 
 its allocated peak says.
 
 Made for this: under lmsrt the Trainer with its own checkpointing retried once every step from
-step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29).
+step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29):
+the allocations are the plain run's, size for size; the layout after lmsrt's learning steps
+leaves the logits' 2000 MiB gradient a 1884 MiB free block where the plain run's left 2004, and
+12.05 GiB reserved + 2000 MiB passes the 14 GiB cap by 10 MiB
+(benchmarks/results/h200-2026-11-29-session30).
 """
 from __future__ import annotations
 
@@ -158,15 +166,95 @@ def bursts(entries: List[dict]) -> List[Tuple[int, Optional[int]]]:
     return found
 
 
-def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
-           around: int = 3) -> str:
-    """The per-step table; the allocation that ran short at each step's first two unmap bursts
-    (a retry); then each step's first difference from the step before."""
-    lines = table(steps, reserved)
+def replay(segments: List[tuple], entries: List[dict], upto: int) -> List[list]:
+    """The blocks of the large pool's segments as they lie before entry ``upto``: ``segments``
+    (``layout``, as the step before ended) with the step's allocations, frees, maps and unmaps
+    applied. [address, bytes, allocated], in address order, neighbours of one kind merged;
+    unmapped ranges left out."""
+    big = [s for s in segments if (s[4] if len(s) > 4 else "large") == "large"]
+    if not big:
+        return []
+    low = min(s[0] for s in big)
+    high = max(s[0] + s[2] for s in big) + (1 << 40)
+    blocks = {a: [n, state.startswith("active")] for s in big for a, n, state in s[3]}
+
+    def mark(address, size, value):
+        end = address + size
+        for k in [k for k in blocks if k < end and k + blocks[k][0] > address]:
+            n, v = blocks.pop(k)
+            if k < address:
+                blocks[k] = [address - k, v]
+            if k + n > end:
+                blocks[end] = [k + n - end, v]
+        blocks[address] = [size, value]
+
+    effects = {"alloc": True, "free_completed": False, "segment_map": False,
+               "segment_alloc": False, "segment_unmap": None, "segment_free": None}
+    for e in entries[:upto]:
+        if e["action"] in effects and low <= e.get("addr", -1) < high:
+            mark(e["addr"], e["size"], effects[e["action"]])
+    merged: List[list] = []
+    for k in sorted(blocks):
+        n, v = blocks[k]
+        if v is None:
+            continue
+        if merged and merged[-1][0] + merged[-1][1] == k and merged[-1][2] == v:
+            merged[-1][1] += n
+        else:
+            merged.append([k, n, v])
+    return merged
+
+
+def short_of(blocks: List[list], request: int, reserved: Optional[int],
+             cap: Optional[int]) -> List[str]:
+    """Why a request ran short, from the blocks before it (``replay``) and the bytes reserved
+    then."""
+    if not blocks:
+        return []
+    gib = 1 << 30
+    free = max((b[1] for b in blocks if not b[2]), default=0)
+    lines = [f"      {'?' if reserved is None else f'{reserved / gib:.2f}'} GiB reserved, "
+             f"{sum(b[1] for b in blocks if b[2]) / gib:.2f} allocated in the large pool; its "
+             f"largest free block {free / _MIB:.0f} MiB"]
+    if cap and reserved is not None and free < request and reserved + request > cap:
+        lines.append(f"      reserved + the request = {(reserved + request) / gib:.2f} GiB > the "
+                     f"cap {cap / gib:.2f}: the per-process cap counts the whole request, not "
+                     "the pages it lacks")
+    return lines
+
+
+def burst_lines(steps: Dict[int, List[dict]], stacks: int, reserved: Dict[int, int],
+                layouts: Optional[Dict[int, list]], cap: Optional[int]) -> List[str]:
+    """Each step's first two unmap bursts: the allocation that ran short, and where the step
+    before's layout is known the blocks it found (``short_of``)."""
+    lines = []
     for step, entries in sorted(steps.items()):
         for i, short in bursts(entries)[:2]:
             lines.append(f"step {step}: an unmap burst at entry {i}, for")
             lines += _entry(entries[short], stacks) if short is not None else ["      (none)"]
+            if short is not None and (layouts or {}).get(step - 1):
+                start = reserved.get(step - 1)
+                level = None if start is None else start + _mapped(entries[:i])
+                lines += short_of(replay(layouts[step - 1], entries, i),
+                                  entries[short]["size"], level, cap)
+    return lines
+
+
+def _mapped(entries: List[dict]) -> int:
+    """Bytes mapped less bytes unmapped over ``entries``."""
+    grow = ("segment_map", "segment_alloc")
+    shrink = ("segment_unmap", "segment_free")
+    return sum(e["size"] if e["action"] in grow else -e["size"] if e["action"] in shrink else 0
+               for e in entries)
+
+
+def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
+           around: int = 3, layouts: Optional[Dict[int, list]] = None,
+           cap: Optional[int] = None) -> str:
+    """The per-step table; the allocation that ran short at each step's first two unmap bursts
+    (a retry), and where the step before's layout is known (``--dump`` records it) the blocks
+    it found; then each step's first difference from the step before."""
+    lines = table(steps, reserved) + burst_lines(steps, stacks, reserved, layouts, cap)
     for step in sorted(steps):
         if step - 1 not in steps:
             continue
@@ -201,6 +289,7 @@ def diff_report(a: dict, b: dict, names=("A", "B"), stacks: int = 0, around: int
         cut[name] = split_steps(d["trace"], d["first"], d["last"])
         lines.append(f"== {name}")
         lines += table(cut[name], d["reserved"])
+        lines += burst_lines(cut[name], stacks, d["reserved"], d.get("layouts"), d.get("cap"))
     na, nb = names
     for step in sorted(set(cut[na]) & set(cut[nb])):
         diff = first_difference(cut[na][step], cut[nb][step])
@@ -214,6 +303,15 @@ def diff_report(a: dict, b: dict, names=("A", "B"), stacks: int = 0, around: int
     return "\n".join(lines)
 
 
+def layout(segments: List[dict]) -> List[tuple]:
+    """The allocator's segments as (address, stream, bytes, [(address, bytes, state), ...],
+    "large" or "small"): where each block lies as a step ends (state "active_allocated",
+    "inactive" ...; an expandable segment shows as one segment a mapped range), for the dump."""
+    return [(s["address"], s["stream"], s["total_size"],
+             [(b["address"], b["size"], b["state"]) for b in s["blocks"]],
+             s.get("segment_type", "large")) for s in segments]
+
+
 class Recorder:
     """Counts the main thread's backwards; records the allocator's history over steps ``first``
     to ``last`` (from the end of step ``first - 1``, which must be 1 or later)."""
@@ -223,6 +321,8 @@ class Recorder:
         self.step = 0
         self.reserved: Dict[int, int] = {}
         self.trace: Optional[List[dict]] = None
+        self.layouts: Dict[int, list] = {}
+        self.cap: Optional[int] = None
 
     def install(self) -> None:
         import threading
@@ -241,7 +341,14 @@ class Recorder:
     def ended(self) -> None:
         import torch
         step, self.step = self.step + 1, self.step + 1
-        if not torch.cuda.is_available() or not (self.first - 1 <= step <= self.last):
+        if not torch.cuda.is_available() or step > self.last:
+            return
+        self.layouts[step] = layout(torch.cuda.memory._snapshot()["segments"])
+        fraction = torch.cuda.get_per_process_memory_fraction()
+        if self.cap is None and fraction < 1.0:        # torch's cap (lmsrt run --gpu-limit's)
+            index = torch.cuda.current_device()
+            self.cap = int(fraction * torch.cuda.get_device_properties(index).total_memory)
+        if step < self.first - 1:
             return
         if step == self.first - 1:
             # context None: no stacks kept (the default, cheaper); "all": Python frames too.
@@ -257,7 +364,8 @@ class Recorder:
             if self.dump:
                 with open(self.dump, "wb") as f:
                     pickle.dump({"trace": self.trace, "reserved": self.reserved,
-                                 "first": self.first, "last": self.last}, f)
+                                 "first": self.first, "last": self.last,
+                                 "layouts": self.layouts, "cap": self.cap}, f)
 
     def finish(self, stacks: int) -> None:
         if self.trace is None:
@@ -269,7 +377,8 @@ class Recorder:
             print(f"alloc_trace: the allocator's ring of {MAX_ENTRIES} entries was full: the "
                   "first steps asked may be missing; ask for fewer", file=sys.stderr, flush=True)
         steps = split_steps(self.trace, self.first, self.last)
-        print(report(steps, self.reserved, stacks), file=sys.stderr, flush=True)
+        print(report(steps, self.reserved, stacks, layouts=self.layouts, cap=self.cap),
+              file=sys.stderr, flush=True)
 
 
 def _cuda() -> bool:

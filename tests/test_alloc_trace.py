@@ -125,6 +125,30 @@ def test_the_allocation_that_ran_short_is_shown_with_each_unmap_burst():
     assert "96.000 MiB" in text and "torch/nn/functional.py:3 linear" in text
 
 
+def test_a_burst_is_explained_from_the_layout_the_step_before_left():
+    """The blocks before the allocation that ran short are the step before's layout with the
+    step's own allocations and frees applied; where reserved bytes plus the whole request pass
+    a per-process cap, the report says that the cap counted the whole request."""
+    base = 1 << 32
+    layout = [(base, 0, 100 * MIB, [(base, 40 * MIB, "active_allocated"),
+                                    (base + 40 * MIB, 60 * MIB, "inactive")], "large"),
+              (base * 2, 0, 2 * MIB, [(base * 2, 2 * MIB, "inactive")], "small")]
+    step = [_e("alloc", 30 * MIB, addr=base + 40 * MIB),
+            _e("alloc", 10 * MIB, addr=base + 70 * MIB),
+            _e("free_completed", 10 * MIB, addr=base + 70 * MIB),
+            _e("segment_unmap", 30 * MIB, addr=base + 70 * MIB),
+            _e("segment_map", 50 * MIB, addr=base + 70 * MIB),
+            _e("alloc", 50 * MIB, addr=base + 70 * MIB)]
+    blocks = at.replay(layout, step, 3)
+    assert blocks == [[base, 70 * MIB, True], [base + 70 * MIB, 30 * MIB, False]]
+    text = at.report({4: step}, {3: 102 * MIB}, layouts={3: layout}, cap=120 * MIB)
+    assert "102 GiB" not in text and "0.10 GiB reserved, 0.07 allocated" in text, text
+    assert "largest free block 30 MiB" in text
+    assert "the per-process cap counts the whole request" in text
+    roomy = at.report({4: step}, {3: 102 * MIB}, layouts={3: layout}, cap=200 * MIB)
+    assert "largest free block 30 MiB" in roomy and "counts the whole request" not in roomy
+
+
 def test_the_recorder_records_from_the_step_before_the_first_and_cuts_at_its_markers(
         monkeypatch, capsys):
     """``Recorder`` over a fake CUDA: history recorded from the end of step FIRST-2 (with
@@ -150,7 +174,9 @@ def test_the_recorder_records_from_the_step_before_the_first_and_cuts_at_its_mar
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 64 * MIB)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
-    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot",
+                        lambda: {"device_traces": [trace], "segments": []})
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 1.0)
     monkeypatch.setattr(torch, "empty", empty)
     rec = at.Recorder(first=4, last=6, stacks=False, dump=None)     # --steps 5-6
     for step in range(1, 8):
