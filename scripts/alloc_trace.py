@@ -12,19 +12,19 @@ Runs the command in this process (as host_sampler.py does) with the allocator's 
 thread returns. Each step boundary allocates and frees one small marker block (a size no other
 allocation is likely to have: 512 bytes times 1237 plus the step) and reads the reserved bytes
 there, so the trace splits by step and the reserved bytes can be followed through each step. Per
-step it prints the allocations and frees, the bytes mapped and unmapped (expandable segments) or the
-segments made and freed, the unmap bursts (each a retry, or an ``empty_cache``) with the allocation
-that ran short (the first after the burst: the allocator frees its cache, maps afresh, then records
-the allocation) and what it found: the bytes reserved and allocated then, the largest free block
-(the layout each step leaves is recorded as it ends, and the step's trace replayed over it), and
-whether reserved bytes plus the whole request passed torch's per-process cap (the cap
+step it prints the allocations and frees, the bytes mapped and unmapped (expandable segments) or
+the segments made and freed, the unmap bursts (each a retry, or an ``empty_cache``) with the
+allocation that ran short (the first after the burst: the allocator frees its cache, maps afresh,
+then records the allocation) and what it found: the bytes reserved and allocated then, the largest
+free block (the layout each step leaves is recorded as it ends, and the step's trace replayed over
+it), and whether reserved bytes plus the whole request passed torch's per-process cap (the cap
 ``--gpu-limit`` sets counts the whole request, even where an expandable segment lacks only a few
-pages of it, so a run can retry where a GPU of that size would map those pages), the allocator's out-of-memory events, the peak of reserved bytes inside the step (a
-script's or lmsrt's resets of the peak counters do not hide it), and the first entry where the
-step's sequence of allocations and frees (sizes, in order) differs from the step before's, with a
-few entries of each around it (their Python frames with ``--stacks``). A model that allocates the
-same sequence every step keeps its layout; one whose steps differ can need more reserved bytes than
-its allocated peak says.
+pages of it, so a run can retry where a GPU of that size would map those pages), the allocator's
+out-of-memory events, the peak of reserved bytes inside the step (a script's or lmsrt's resets of
+the peak counters do not hide it), and the first entry where the step's sequence of allocations and
+frees (sizes, in order) differs from the step before's, with a few entries of each around it (their
+Python frames with ``--stacks``). A model that allocates the same sequence every step keeps its
+layout; one whose steps differ can need more reserved bytes than its allocated peak says.
 
 Made for this: under lmsrt the Trainer with its own checkpointing retried once every step from
 step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29):
