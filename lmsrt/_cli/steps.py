@@ -83,7 +83,9 @@ def format_steps(stats: Dict[str, object], last: Optional[int] = None) -> str:
     retried = retries_a_step(stats)
     if retried:
         tail[0] += (f", with {retried} allocator retr{'y' if retried == 1 else 'ies'} a planned "
-                    "step (scripts/alloc_trace.py shows where the allocator ran short)")
+                    "step (scripts/alloc_trace.py shows where the allocator ran short; under "
+                    "--gpu-limit, torch's cap counts a request whole where a free block lacks "
+                    "part of it, so a GPU of that size may not retry there)")
     cost = learning_cost(stats)
     if cost:
         tail.append(cost)
