@@ -165,3 +165,45 @@ def test_overhead_benchmark_runs_tiny(tmp_path, model):
     assert set(result["step"]) == {"wall median", "wall min", "cpu median", "cpu min"}
     assert result["profile"]["entries"]["module pre-hook"]["calls_per_step"] > 0
     assert "lmsrt's overhead" in out.stdout
+
+
+def test_cap_emulation_table_compares_each_way_with_the_first_measured(tmp_path, monkeypatch):
+    """benchmarks/cap_emulation.py: each way's row (from its own process, faked here) in the
+    table with its figures against the first way measured, an error row as it came, and the
+    JSON written; every way failing (no GPU) exits non-zero after saying so."""
+    bench = _load("cap_emulation")
+    rows = {
+        "none": dict(way="none", held_gib=0.0, cap_s=0.0, matmul_tflops=600.0, copy_gbs=3000.0,
+                     retries_per_round=0.0, request_ms=1.0, reserved_gib=12.0),
+        "fraction": dict(way="fraction", held_gib=0.0, cap_s=0.0, matmul_tflops=600.0,
+                         copy_gbs=3000.0, retries_per_round=1.0, request_ms=9.0,
+                         reserved_gib=10.5),
+        "hold": dict(way="hold", held_gib=125.3, cap_s=0.2, matmul_tflops=564.0,
+                     copy_gbs=2820.0, retries_per_round=0.0, request_ms=1.2, reserved_gib=13.0),
+        "hold-chunks": dict(way="hold-chunks", error="RuntimeError: cuMemAlloc failed"),
+    }
+    monkeypatch.setattr(bench, "run_way", lambda way, args: rows[way])
+    bench.main(["--cap", "14", "--out", str(tmp_path)])
+    import json
+    saved = json.loads((tmp_path / "cap_emulation.json").read_text())
+    assert [r["way"] for r in saved["rows"]] == list(rows) and saved["cap_gib"] == 14.0
+    text = bench.table(list(rows.values()))
+    hold = next(line for line in text.splitlines() if line.startswith("| hold |"))
+    assert "564.0 (0.940x)" in hold and "2820.0 (0.940x)" in hold and "| 0.00 |" in hold
+    assert "| fraction | 0.0 | 0.00 | 600.0 (1.000x) |" in text
+    assert "| hold-chunks | RuntimeError: cuMemAlloc failed |" in text
+    monkeypatch.setattr(bench, "run_way", lambda way, args: dict(way=way, error="no CUDA"))
+    with pytest.raises(SystemExit, match="no way could be measured"):
+        bench.main(["--ways", "none,hold", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main(["--ways", "none,sideways"])
+
+
+def test_cap_emulation_child_says_there_is_no_gpu():
+    """Without CUDA a way's own process answers with its error, not a traceback."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "cap_emulation.py"), "--child",
+                          "hold", "--cap", "14"], capture_output=True, text=True, timeout=120)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the child would measure")
+    assert out.returncode == 0, out.stderr
+    assert '"error": "no CUDA device"' in out.stdout
