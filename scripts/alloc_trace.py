@@ -30,13 +30,14 @@ Made for this: under lmsrt the Trainer with its own checkpointing retried once e
 step 3 at 14 GiB, the same run without lmsrt never (benchmarks/results/h200-2026-11-28i-session29):
 the allocations are the plain run's, size for size; the layout after lmsrt's learning steps
 leaves the logits' 2000 MiB gradient a 1884 MiB free block where the plain run's left 2004, and
-12.05 GiB reserved + 2000 MiB passes the 14 GiB cap by 10 MiB
+12.05 GiB reserved + 2000 MiB passes the 14 GiB cap by about 8 MiB
 (benchmarks/results/h200-2026-11-29-session30).
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import pickle
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -166,43 +167,102 @@ def bursts(entries: List[dict]) -> List[Tuple[int, Optional[int]]]:
     return found
 
 
-def replay(segments: List[tuple], entries: List[dict], upto: int) -> List[list]:
+_SMALL = 1 << 20                 # requests of this size or less come from the small pool
+_VA_SPAN = 9 / 8                 # an expandable segment's address range: this times the GPU's
+
+
+def alloc_size(request: int) -> int:
+    """The bytes the caching allocator asks of the cap for a request it must map or allocate
+    anew: the request rounded to 512 bytes, then to a 2 MiB page (1 MiB or less: the small pool's
+    2 MiB segment; under 10 MiB: 20 MiB; else a multiple of 2 MiB), as torch's
+    ``get_allocation_size`` does."""
+    size = -(-max(request, 1) // 512) * 512
+    if size <= _SMALL:
+        return 2 * _SMALL
+    if size < 10 * _SMALL:
+        return 20 * _SMALL
+    return -(-size // (2 * _SMALL)) * 2 * _SMALL
+
+
+def replay(segments: List[tuple], entries: List[dict], upto: int,
+           total: Optional[int] = None, expandable: bool = True) -> List[list]:
     """The blocks of the large pool's segments as they lie before entry ``upto``: ``segments``
-    (``layout``, as the step before ended) with the step's allocations, frees, maps and unmaps
-    applied. [address, bytes, allocated], in address order, neighbours of one kind merged;
-    unmapped ranges left out."""
+    (``layout``, as the step before ended) with the step's allocations (more than 1 MiB,
+    rounded to 512 bytes as the allocator's blocks are), frees, maps and unmaps applied.
+    [address, bytes, allocated, segment], in address order, neighbours of one kind in one
+    segment merged (``expandable``: the mapped ranges of an expandable segment are one segment;
+    else each ``cudaMalloc``'s is its own); unmapped ranges left out. Maps and unmaps count
+    where they fall in the large segments' address range: from the lowest, as far as an
+    expandable segment reserves (9/8 of ``total``, the GPU's memory) or, without ``total``, to
+    the highest segment's end."""
     big = [s for s in segments if (s[4] if len(s) > 4 else "large") == "large"]
     if not big:
         return []
     low = min(s[0] for s in big)
-    high = max(s[0] + s[2] for s in big) + (1 << 40)
-    blocks = {a: [n, state.startswith("active")] for s in big for a, n, state in s[3]}
+    high = (low + int(total * _VA_SPAN) if total else max(s[0] + s[2] for s in big))
+    blocks: Dict[int, list] = {}
+    for s in big:
+        segment = "x" if expandable else s[0]
+        for a, n, state in s[3]:
+            blocks[a] = [n, state.startswith("active"), segment]
+    keys = sorted(blocks)
 
-    def mark(address, size, value):
+    def mark(address, size, value, segment=None):
         end = address + size
-        for k in [k for k in blocks if k < end and k + blocks[k][0] > address]:
-            n, v = blocks.pop(k)
+        at = max(bisect.bisect_right(keys, address) - 1, 0)
+        hit = []
+        while at < len(keys) and keys[at] < end:
+            k = keys[at]
+            if k + blocks[k][0] > address:
+                hit.append(k)
+            at += 1
+        for k in hit:
+            n, v, seg = blocks.pop(k)
+            keys.remove(k)
+            segment = seg if segment is None else segment
             if k < address:
-                blocks[k] = [address - k, v]
+                blocks[k] = [address - k, v, seg]
+                bisect.insort(keys, k)
             if k + n > end:
-                blocks[end] = [k + n - end, v]
-        blocks[address] = [size, value]
+                blocks[end] = [k + n - end, v, seg]
+                bisect.insort(keys, end)
+        blocks[address] = [size, value, "x" if segment is None else segment]
+        bisect.insort(keys, address)
 
-    effects = {"alloc": True, "free_completed": False, "segment_map": False,
-               "segment_alloc": False, "segment_unmap": None, "segment_free": None}
     for e in entries[:upto]:
-        if e["action"] in effects and low <= e.get("addr", -1) < high:
-            mark(e["addr"], e["size"], effects[e["action"]])
+        action, address, size = e["action"], e.get("addr", -1), e["size"]
+        if not low <= address < high:
+            continue
+        if action in ("alloc", "free_completed"):
+            if size > _SMALL:
+                mark(address, -(-size // 512) * 512, action == "alloc")
+        elif action == "segment_map":
+            mark(address, size, False)
+        elif action == "segment_alloc":
+            mark(address, size, False, segment=address)
+        elif action in ("segment_unmap", "segment_free"):
+            mark(address, size, None)
     merged: List[list] = []
-    for k in sorted(blocks):
-        n, v = blocks[k]
+    for k in keys:
+        n, v, seg = blocks[k]
         if v is None:
             continue
-        if merged and merged[-1][0] + merged[-1][1] == k and merged[-1][2] == v:
-            merged[-1][1] += n
+        last = merged[-1] if merged else None
+        if last and last[0] + last[1] == k and last[2] == v and last[3] == seg:
+            last[1] += n
         else:
-            merged.append([k, n, v])
+            merged.append([k, n, v, seg])
     return merged
+
+
+def before_burst(entries: List[dict], burst: int) -> int:
+    """Where the allocator checked the request that ran short: before the frees it completed
+    just ahead of its unmap burst (a retry first waits for the frees pending on other streams'
+    events, then frees its cache)."""
+    at = burst
+    while at > 0 and entries[at - 1]["action"] == "free_completed":
+        at -= 1
+    return at
 
 
 def short_of(blocks: List[list], request: int, reserved: Optional[int],
@@ -216,26 +276,30 @@ def short_of(blocks: List[list], request: int, reserved: Optional[int],
     lines = [f"      {'?' if reserved is None else f'{reserved / gib:.2f}'} GiB reserved, "
              f"{sum(b[1] for b in blocks if b[2]) / gib:.2f} allocated in the large pool; its "
              f"largest free block {free / _MIB:.0f} MiB"]
-    if cap and reserved is not None and free < request and reserved + request > cap:
-        lines.append(f"      reserved + the request = {(reserved + request) / gib:.2f} GiB > the "
-                     f"cap {cap / gib:.2f}: the per-process cap counts the whole request, not "
-                     "the pages it lacks")
+    asked = alloc_size(request)
+    if cap and reserved is not None and free < request and reserved + asked > cap:
+        lines.append(f"      reserved + the request ({asked / _MIB:.0f} MiB) passes the cap "
+                     f"{cap / gib:.2f} GiB by {(reserved + asked - cap) / _MIB:.0f} MiB: the "
+                     "per-process cap counts the whole request, not the pages it lacks")
     return lines
 
 
 def burst_lines(steps: Dict[int, List[dict]], stacks: int, reserved: Dict[int, int],
-                layouts: Optional[Dict[int, list]], cap: Optional[int]) -> List[str]:
+                layouts: Optional[Dict[int, list]], cap: Optional[int],
+                total: Optional[int] = None) -> List[str]:
     """Each step's first two unmap bursts: the allocation that ran short, and where the step
     before's layout is known the blocks it found (``short_of``)."""
     lines = []
+    actions = {e["action"] for entries in steps.values() for e in entries}
+    expandable = not actions & {"segment_alloc", "segment_free"}
     for step, entries in sorted(steps.items()):
         for i, short in bursts(entries)[:2]:
             lines.append(f"step {step}: an unmap burst at entry {i}, for")
             lines += _entry(entries[short], stacks) if short is not None else ["      (none)"]
             if short is not None and (layouts or {}).get(step - 1):
-                start = reserved.get(step - 1)
-                level = None if start is None else start + _mapped(entries[:i])
-                lines += short_of(replay(layouts[step - 1], entries, i),
+                start, at = reserved.get(step - 1), before_burst(entries, i)
+                level = None if start is None else start + _mapped(entries[:at])
+                lines += short_of(replay(layouts[step - 1], entries, at, total, expandable),
                                   entries[short]["size"], level, cap)
     return lines
 
@@ -250,11 +314,11 @@ def _mapped(entries: List[dict]) -> int:
 
 def report(steps: Dict[int, List[dict]], reserved: Dict[int, int], stacks: int = 0,
            around: int = 3, layouts: Optional[Dict[int, list]] = None,
-           cap: Optional[int] = None) -> str:
+           cap: Optional[int] = None, total: Optional[int] = None) -> str:
     """The per-step table; the allocation that ran short at each step's first two unmap bursts
     (a retry), and where the step before's layout is known (``--dump`` records it) the blocks
     it found; then each step's first difference from the step before."""
-    lines = table(steps, reserved) + burst_lines(steps, stacks, reserved, layouts, cap)
+    lines = table(steps, reserved) + burst_lines(steps, stacks, reserved, layouts, cap, total)
     for step in sorted(steps):
         if step - 1 not in steps:
             continue
@@ -289,7 +353,8 @@ def diff_report(a: dict, b: dict, names=("A", "B"), stacks: int = 0, around: int
         cut[name] = split_steps(d["trace"], d["first"], d["last"])
         lines.append(f"== {name}")
         lines += table(cut[name], d["reserved"])
-        lines += burst_lines(cut[name], stacks, d["reserved"], d.get("layouts"), d.get("cap"))
+        lines += burst_lines(cut[name], stacks, d["reserved"], d.get("layouts"), d.get("cap"),
+                             d.get("total"))
     na, nb = names
     for step in sorted(set(cut[na]) & set(cut[nb])):
         diff = first_difference(cut[na][step], cut[nb][step])
@@ -322,7 +387,8 @@ class Recorder:
         self.reserved: Dict[int, int] = {}
         self.trace: Optional[List[dict]] = None
         self.layouts: Dict[int, list] = {}
-        self.cap: Optional[int] = None
+        self.cap: Optional[int] = None       # torch's per-process cap, bytes (None: none set)
+        self.total: Optional[int] = None     # the GPU's memory, bytes
 
     def install(self) -> None:
         import threading
@@ -341,22 +407,22 @@ class Recorder:
     def ended(self) -> None:
         import torch
         step, self.step = self.step + 1, self.step + 1
-        if not torch.cuda.is_available() or step > self.last:
-            return
-        self.layouts[step] = layout(torch.cuda.memory._snapshot()["segments"])
-        fraction = torch.cuda.get_per_process_memory_fraction()
-        if self.cap is None and fraction < 1.0:        # torch's cap (lmsrt run --gpu-limit's)
-            index = torch.cuda.current_device()
-            self.cap = int(fraction * torch.cuda.get_device_properties(index).total_memory)
-        if step < self.first - 1:
+        if not torch.cuda.is_available() or not (self.first - 1 <= step <= self.last):
             return
         if step == self.first - 1:
+            index = torch.cuda.current_device()
+            self.total = torch.cuda.get_device_properties(index).total_memory
+            fraction = torch.cuda.get_per_process_memory_fraction(index)
+            self.cap = int(fraction * self.total) if fraction < 1.0 else None  # --gpu-limit's
             # context None: no stacks kept (the default, cheaper); "all": Python frames too.
             torch.cuda.memory._record_memory_history(
                 context="all" if self.stacks else None, stacks="python", max_entries=MAX_ENTRIES)
-        self.reserved[step] = torch.cuda.memory_reserved()
+        if step < self.last:     # the layout the next step starts from, for its bursts
+            self.layouts[step] = layout(torch.cuda.memory._snapshot()["segments"])
         mark = torch.empty(marker_size(step), dtype=torch.uint8, device="cuda")
         del mark
+        # Read after the marker: a page it had mapped is in the level the next step starts from.
+        self.reserved[step] = torch.cuda.memory_reserved()
         if step == self.last:
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -365,7 +431,8 @@ class Recorder:
                 with open(self.dump, "wb") as f:
                     pickle.dump({"trace": self.trace, "reserved": self.reserved,
                                  "first": self.first, "last": self.last,
-                                 "layouts": self.layouts, "cap": self.cap}, f)
+                                 "layouts": self.layouts, "cap": self.cap,
+                                 "total": self.total}, f)
 
     def finish(self, stacks: int) -> None:
         if self.trace is None:
@@ -377,8 +444,8 @@ class Recorder:
             print(f"alloc_trace: the allocator's ring of {MAX_ENTRIES} entries was full: the "
                   "first steps asked may be missing; ask for fewer", file=sys.stderr, flush=True)
         steps = split_steps(self.trace, self.first, self.last)
-        print(report(steps, self.reserved, stacks, layouts=self.layouts, cap=self.cap),
-              file=sys.stderr, flush=True)
+        print(report(steps, self.reserved, stacks, layouts=self.layouts, cap=self.cap,
+                     total=self.total), file=sys.stderr, flush=True)
 
 
 def _cuda() -> bool:

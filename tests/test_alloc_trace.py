@@ -127,8 +127,10 @@ def test_the_allocation_that_ran_short_is_shown_with_each_unmap_burst():
 
 def test_a_burst_is_explained_from_the_layout_the_step_before_left():
     """The blocks before the allocation that ran short are the step before's layout with the
-    step's own allocations and frees applied; where reserved bytes plus the whole request pass
-    a per-process cap, the report says that the cap counted the whole request."""
+    step's own large allocations and frees applied, up to the frees the allocator completed just
+    ahead of its burst (the retry's own wait for pending frees); where reserved bytes plus the
+    whole request, rounded as the allocator rounds it, pass a per-process cap, the report says
+    by how much and that the cap counted the whole request."""
     base = 1 << 32
     layout = [(base, 0, 100 * MIB, [(base, 40 * MIB, "active_allocated"),
                                     (base + 40 * MIB, 60 * MIB, "inactive")], "large"),
@@ -136,17 +138,36 @@ def test_a_burst_is_explained_from_the_layout_the_step_before_left():
     step = [_e("alloc", 30 * MIB, addr=base + 40 * MIB),
             _e("alloc", 10 * MIB, addr=base + 70 * MIB),
             _e("free_completed", 10 * MIB, addr=base + 70 * MIB),
-            _e("segment_unmap", 30 * MIB, addr=base + 70 * MIB),
-            _e("segment_map", 50 * MIB, addr=base + 70 * MIB),
+            _e("alloc", 512 << 10, addr=base + 99 * MIB),      # the small pool's size: not here
+            _e("alloc", 4 * MIB, addr=base + 80 * MIB),
+            _e("free_completed", 4 * MIB, addr=base + 80 * MIB),   # completed for the retry
+            _e("segment_unmap", 16 * MIB, addr=base + 84 * MIB),
+            _e("segment_map", 50 * MIB, addr=base + 84 * MIB),
             _e("alloc", 50 * MIB, addr=base + 70 * MIB)]
-    blocks = at.replay(layout, step, 3)
-    assert blocks == [[base, 70 * MIB, True], [base + 70 * MIB, 30 * MIB, False]]
+    assert at.before_burst(step, 6) == 5
+    blocks = at.replay(layout, step, 5)
+    assert [b[:3] for b in blocks] == [[base, 70 * MIB, True], [base + 70 * MIB, 10 * MIB, False],
+                                       [base + 80 * MIB, 4 * MIB, True],
+                                       [base + 84 * MIB, 16 * MIB, False]], blocks
     text = at.report({4: step}, {3: 102 * MIB}, layouts={3: layout}, cap=120 * MIB)
-    assert "102 GiB" not in text and "0.10 GiB reserved, 0.07 allocated" in text, text
-    assert "largest free block 30 MiB" in text
-    assert "the per-process cap counts the whole request" in text
+    assert "0.10 GiB reserved, 0.07 allocated in the large pool" in text, text
+    assert "largest free block 16 MiB" in text
+    assert "passes the cap 0.12 GiB by 32 MiB" in text and "counts the whole request" in text
     roomy = at.report({4: step}, {3: 102 * MIB}, layouts={3: layout}, cap=200 * MIB)
-    assert "largest free block 30 MiB" in roomy and "counts the whole request" not in roomy
+    assert "largest free block 16 MiB" in roomy and "counts the whole request" not in roomy
+
+
+def test_free_blocks_merge_within_a_segment_and_requests_round_as_the_allocator_rounds():
+    """Two neighbouring free segments of their own (fixed segments, one ``cudaMalloc`` each) are
+    two blocks; an expandable segment's neighbouring ranges are one. The bytes a request asks
+    of the cap: 2 MiB for the small pool's, 20 MiB under 10 MiB, else whole 2 MiB pages."""
+    base = 1 << 32
+    layout = [(base, 0, 10 * MIB, [(base, 10 * MIB, "inactive")], "large"),
+              (base + 10 * MIB, 0, 10 * MIB, [(base + 10 * MIB, 10 * MIB, "inactive")], "large")]
+    assert len(at.replay(layout, [], 0, expandable=False)) == 2
+    assert [b[1] for b in at.replay(layout, [], 0)] == [20 * MIB]
+    assert at.alloc_size(100) == 2 * MIB and at.alloc_size(3 * MIB) == 20 * MIB
+    assert at.alloc_size(2000 * MIB) == 2000 * MIB and at.alloc_size(2000 * MIB + 1) == 2002 * MIB
 
 
 def test_the_recorder_records_from_the_step_before_the_first_and_cuts_at_its_markers(
@@ -177,6 +198,8 @@ def test_the_recorder_records_from_the_step_before_the_first_and_cuts_at_its_mar
     monkeypatch.setattr(torch.cuda.memory, "_snapshot",
                         lambda: {"device_traces": [trace], "segments": []})
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("Props", (), {"total_memory": 1 << 34})())
     monkeypatch.setattr(torch, "empty", empty)
     rec = at.Recorder(first=4, last=6, stacks=False, dump=None)     # --steps 5-6
     for step in range(1, 8):

@@ -177,7 +177,7 @@ def test_cap_emulation_table_compares_each_way_with_the_first_measured(tmp_path,
                      retries_per_round=0.0, request_ms=1.0, reserved_gib=12.0),
         "fraction": dict(way="fraction", held_gib=0.0, cap_s=0.0, matmul_tflops=600.0,
                          copy_gbs=3000.0, retries_per_round=1.0, request_ms=9.0,
-                         reserved_gib=10.5),
+                         reserved_gib=10.5, laid_out=False),
         "hold": dict(way="hold", held_gib=125.3, cap_s=0.2, matmul_tflops=564.0,
                      copy_gbs=2820.0, retries_per_round=0.0, request_ms=1.2, reserved_gib=13.0),
         "hold-chunks": dict(way="hold-chunks", error="RuntimeError: cuMemAlloc failed"),
@@ -191,12 +191,15 @@ def test_cap_emulation_table_compares_each_way_with_the_first_measured(tmp_path,
     hold = next(line for line in text.splitlines() if line.startswith("| hold |"))
     assert "564.0 (0.940x)" in hold and "2820.0 (0.940x)" in hold and "| 0.00 |" in hold
     assert "| fraction | 0.0 | 0.00 | 600.0 (1.000x) |" in text
+    assert "1.00 (blocks not laid out as meant)" in text
     assert "| hold-chunks | RuntimeError: cuMemAlloc failed |" in text
     monkeypatch.setattr(bench, "run_way", lambda way, args: dict(way=way, error="no CUDA"))
     with pytest.raises(SystemExit, match="no way could be measured"):
         bench.main(["--ways", "none,hold", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench.main(["--ways", "none,sideways"])
+    with pytest.raises(SystemExit):
+        bench.main(["--ways", ","])
 
 
 def test_cap_emulation_child_says_there_is_no_gpu():
