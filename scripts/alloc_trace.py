@@ -46,6 +46,8 @@ from in_process import run_command, split_command
 
 MARK = 512 * 1237          # marker bytes, plus 512 per step
 MAX_ENTRIES = 1_000_000    # the allocator's ring of trace entries
+GROW = ("segment_map", "segment_alloc")       # pages mapped (expandable), or a cudaMalloc
+SHRINK = ("segment_unmap", "segment_free")    # and given back
 _MIB = 1 << 20
 
 
@@ -89,11 +91,11 @@ def step_row(entries: List[dict], reserved_at_start: Optional[int]) -> dict:
             row["alloc_bytes"] += size
         elif action == "free_requested":
             row["frees"] += 1
-        elif action in ("segment_map", "segment_alloc"):
+        elif action in GROW:
             row["mapped"] += size
             level += size
             peak = max(peak, level)
-        elif action in ("segment_unmap", "segment_free"):
+        elif action in SHRINK:
             row["unmapped"] += size
             level -= size
             row["unmap_bursts"] += last_unmap != i - 1
@@ -159,8 +161,7 @@ def bursts(entries: List[dict]) -> List[Tuple[int, Optional[int]]]:
     the allocation; None where the step has none after it)."""
     found = []
     for i, e in enumerate(entries):
-        if e["action"] in ("segment_unmap", "segment_free") and (
-                i == 0 or entries[i - 1]["action"] not in ("segment_unmap", "segment_free")):
+        if e["action"] in SHRINK and (i == 0 or entries[i - 1]["action"] not in SHRINK):
             short = next((j for j in range(i + 1, len(entries))
                           if entries[j]["action"] == "alloc"), None)
             found.append((i, short))
@@ -240,7 +241,7 @@ def replay(segments: List[tuple], entries: List[dict], upto: int,
             mark(address, size, False)
         elif action == "segment_alloc":
             mark(address, size, False, segment=address)
-        elif action in ("segment_unmap", "segment_free"):
+        elif action in SHRINK:
             mark(address, size, None)
     merged: List[list] = []
     for k in keys:
@@ -291,7 +292,7 @@ def burst_lines(steps: Dict[int, List[dict]], stacks: int, reserved: Dict[int, i
     before's layout is known the blocks it found (``short_of``)."""
     lines = []
     actions = {e["action"] for entries in steps.values() for e in entries}
-    expandable = not actions & {"segment_alloc", "segment_free"}
+    expandable = not actions & {GROW[1], SHRINK[1]}      # no cudaMalloc'd segments
     for step, entries in sorted(steps.items()):
         for i, short in bursts(entries)[:2]:
             lines.append(f"step {step}: an unmap burst at entry {i}, for")
@@ -306,9 +307,7 @@ def burst_lines(steps: Dict[int, List[dict]], stacks: int, reserved: Dict[int, i
 
 def _mapped(entries: List[dict]) -> int:
     """Bytes mapped less bytes unmapped over ``entries``."""
-    grow = ("segment_map", "segment_alloc")
-    shrink = ("segment_unmap", "segment_free")
-    return sum(e["size"] if e["action"] in grow else -e["size"] if e["action"] in shrink else 0
+    return sum(e["size"] if e["action"] in GROW else -e["size"] if e["action"] in SHRINK else 0
                for e in entries)
 
 
