@@ -54,9 +54,10 @@ height, width = (int(v) for v in args.size.lower().split("x"))
 device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 cuda = device == "cuda"
 if args.gpu_limit and cuda:
-    # Before LMS is created: it reads how much memory the process may use when it starts.
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(args.gpu_limit * 2**30 / total)
+    # As a GPU of that size would be, before LMS is created: it reads how much memory the
+    # process may use when it starts (the memory above the cap is held: lmsrt/gpu_cap.py).
+    from lmsrt import gpu_cap
+    gpu_cap.apply(int(args.gpu_limit * 2**30), torch.cuda.current_device())
 
 # lmsrt run enables LMS for the whole script and says so in LMSRT_ACTIVE; a second LMS would
 # only stack another set of hooks on top of it.

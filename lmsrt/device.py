@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional, Protocol, Sequence
 
 import torch
 
-from . import copy_path, torch_patches
+from . import copy_path, gpu_cap, torch_patches
 from .config import cuda_index
 
 __all__ = ["Device", "CudaDevice", "SimulatedDevice", "copy_bandwidth", "resolve_device",
@@ -259,12 +259,14 @@ class CudaDevice:
         torch_patches.reset_peak(self.index)
 
     def memory_limit(self) -> int:
-        """The bytes this process may allocate: the device total, times the per-process cap."""
-        total = torch.cuda.get_device_properties(self.index).total_memory
-        fraction = 1.0
-        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
-            fraction = torch.cuda.get_per_process_memory_fraction(self.index)
-        return int(total * fraction)
+        """The bytes this process may allocate: ``--gpu-limit``'s cap (gpu_cap.py), else the
+        device total times torch's per-process fraction."""
+        cap = gpu_cap.limit(self.index)
+        if cap is None:
+            total = torch.cuda.get_device_properties(self.index).total_memory
+            get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            cap = int(total * (get(self.index) if get else 1.0))
+        return cap
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
@@ -272,11 +274,9 @@ class CudaDevice:
     def pinned(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of pinned host memory as a uint8 CPU tensor, exactly (no power-of-two
         rounding): an anonymous page-aligned mapping, registered with the driver, unregistered
-        and unmapped when the tensor dies. Raises RuntimeError if the driver refuses.
-
-        Transparent huge pages are asked for (fewer pages to fault and pin), and the mapping is
-        not inherited by forked children (data loader workers), which would otherwise share
-        pages that the GPU writes by DMA.
+        and unmapped when the tensor dies. Raises RuntimeError if the driver refuses. Transparent
+        huge pages are asked for (fewer pages to fault and pin), and the mapping is not inherited
+        by forked children (data loader workers), which would share pages the GPU writes by DMA.
         """
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -176,17 +176,16 @@ def test_an_out_of_memory_error_is_written_and_exits_3(tmp_path):
 
 def test_the_cap_is_lmsrts_under_lmsrt_run(monkeypatch):
     common = _client("common")
+    from lmsrt import gpu_cap
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: type("P", (), {"total_memory": 80 * common.GiB}))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda f, *a: calls.append(f))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(gpu_cap, "apply", lambda nbytes, index: calls.append((nbytes, index)))
     monkeypatch.delenv("LMSRT_ACTIVE", raising=False)
     common.cap_gpu(20)
     monkeypatch.setenv("LMSRT_ACTIVE", "1")
     common.cap_gpu(20)
-    assert calls == [0.25]
+    assert calls == [(20 * common.GiB, 0)]
 
 
 # -- the matrix -------------------------------------------------------------------------------

@@ -64,8 +64,8 @@ def cap_gpu(limit_gib: Optional[float]) -> None:
     does. Not under `lmsrt run`, whose own cap applies, nor without a GPU."""
     if not limit_gib or os.environ.get(ENV_ACTIVE) == "1" or not torch.cuda.is_available():
         return
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib * GiB / total))
+    from lmsrt import gpu_cap
+    gpu_cap.apply(int(limit_gib * GiB), torch.cuda.current_device())
 
 
 def llama(args, hidden: int, layers: int, heads: int, mlp: int):

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import click
 import torch
 
+from .. import gpu_cap
 from ..launch.output import check_output_file, write_atomic
 from ..launch.script import check_script, run_script
 from ..launch.session import check_gpu_limit
@@ -24,6 +25,7 @@ from ..profiler import render
 from ..profiler.recorder import StepDone, StepRecorder
 from ..profiler.report import build_report
 from ..summary import format_blocks
+from ..units import GiB
 from ._types import Number
 
 __all__ = ["command"]
@@ -156,11 +158,11 @@ def _apply_gpu_limit(limit_gb: float) -> None:
                    f"{limit_gb:g} GiB instead.", err=True)
         return
     try:
-        fraction = check_gpu_limit(limit_gb)
+        if check_gpu_limit(limit_gb) is None:
+            return
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--gpu-limit'") from None
-    if fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(fraction)
+    gpu_cap.apply(int(limit_gb * GiB), torch.cuda.current_device())
 
 
 def _output_path(path: Optional[str], flag: str) -> Optional[str]:

@@ -50,7 +50,7 @@ import time
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional
 
-from .. import __version__
+from .. import __version__, gpu_cap
 from ..options import OPTIONS, spelled
 from ..say import install_stderr_handler, say
 from ..summary import format_off, format_summary
@@ -369,9 +369,9 @@ def _session(environ: Mapping[str, str], lms_overrides: Optional[dict],
         simulated = SimulatedDevice(capacity=int(gpu_limit_gb * GiB))
     elif gpu_limit_gb is not None:
         index = _cuda_index(device)
-        fraction = check_gpu_limit(gpu_limit_gb, index)
-        if fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(fraction, index)
+        if check_gpu_limit(gpu_limit_gb, index) is not None:
+            gpu_cap.apply(int(gpu_limit_gb * GiB), torch.cuda.current_device()
+                          if index is None else index, environ)
     lms = LMS(config=LMSConfig.from_env(environ, **overrides), device=simulated)
     return Session(lms, stats_path=stats_path, rank=rank,
                    world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps,
@@ -391,6 +391,8 @@ def check_environment(environ: Optional[Mapping[str, str]] = None,
     sim_capacity(environ)
     _max_steps(environ)
     _env_gpu_limit(environ)
+    gpu_cap.way(environ)
+    gpu_cap.spare(environ)
     _summary_mode(environ)
 
 
