@@ -261,7 +261,7 @@ class CudaDevice:
     def memory_limit(self) -> int:
         """The bytes this process may allocate: ``--gpu-limit``'s cap (gpu_cap.py), else the
         device total times torch's per-process fraction."""
-        cap = gpu_cap.limit(self.index)
+        cap = gpu_cap.limit(self.index) if gpu_cap.held_bytes(self.index) else None
         if cap is None:
             total = torch.cuda.get_device_properties(self.index).total_memory
             get = getattr(torch.cuda, "get_per_process_memory_fraction", None)

@@ -14,10 +14,11 @@ Two ways, chosen by ``LMSRT_GPU_CAP``:
   for the life of the process, outside the allocator, which then meets the cap as it meets the
   end of a smaller GPU: a mapping fails when pages run out, and no request is refused whole.
   What CUDA itself maps later (kernels loaded on first use, library workspaces, cuDNN's engines)
-  counts against the cap, less ``LMSRT_GPU_CAP_SPARE_MB`` left beside it (256 unless set).
+  counts against the cap, less ``LMSRT_GPU_CAP_SPARE_MB`` left beside it (256 unless set), which
+  the allocator may take too where CUDA does not.
 
-Measured side by side on an H200 (benchmarks/results/h200-2026-11-29-session31): under ``hold``
-the Trainer with its checkpointing at 14 GiB ran with no retry, lmsrt 0.240 s against its
+Measured side by side on an H200 (benchmarks/results/h200-2026-11-29-session31): held (no spare
+then), the Trainer with its checkpointing at 14 GiB ran with no retry, lmsrt 0.240 s against its
 checkpointing's 0.241 (one retry a step and 1.05x under the fraction), and plain runs were as
 fast as under the fraction (0.2384/0.2368 s against 0.2431/0.2346, interleaved); but a compiled
 GPT at a 2.58 GiB cap ran out of memory without the spare, and torchvision's resnet152 at 12 GiB
@@ -25,15 +26,18 @@ ran out of memory in step 22 with it (97 MiB free, cuDNN's own maps in the cap):
 maps beside the allocator depends on the model, so ``fraction`` stays the default, and ``hold``
 is there to tell a retry of the fraction's from one a GPU of that size would make.
 
-``hold`` falls back to ``fraction`` where the driver cannot be reached or refuses, and where the
-GPU is shared (more local ranks than GPUs: the first process would take what the others need).
-Either way ``limit(index)`` is the cap, for lmsrt's own accounting (``Device.memory_limit``).
+``hold`` falls back to ``fraction`` where the driver cannot be reached or refuses, where less is
+free than the cap and its spare, and where the GPU is shared (more local ranks than GPUs: the
+first process would take what the others need).
+Either way ``limit(index)`` is the cap; ``Device.memory_limit`` reads it where memory is held
+(the fraction, read back, says the same otherwise).
 """
 from __future__ import annotations
 
 import ctypes
 import math
 import os
+import warnings
 from typing import Dict, Mapping, Optional
 
 __all__ = ["apply", "limit", "held_bytes", "release", "way", "ENV_WAY", "ENV_SPARE", "WAYS"]
@@ -42,6 +46,7 @@ ENV_WAY = "LMSRT_GPU_CAP"
 ENV_SPARE = "LMSRT_GPU_CAP_SPARE_MB"
 WAYS = ("fraction", "hold")
 _SPARE_MB = 256
+GiB = 1 << 30
 
 _caps: Dict[int, int] = {}          # device index -> the cap, bytes
 _held: Dict[int, tuple] = {}        # device index -> (driver pointer, bytes)
@@ -90,10 +95,11 @@ def _shared(environ: Mapping[str, str]) -> bool:
 
 
 def apply(limit_bytes: int, index: int, environ: Optional[Mapping[str, str]] = None) -> str:
-    """Cap device ``index`` at ``limit_bytes`` (NOTE [ Capping a GPU ]): what torch's allocator
-    reserves from now on, with what CUDA maps after a hold, stays under it. Returns the way it
-    was done: ``hold`` or ``fraction``. A second call on the same device moves the cap (a hold
-    is given back and taken again)."""
+    """Cap device ``index`` at ``limit_bytes`` (NOTE [ Capping a GPU ]; ValueError past the
+    GPU's total): under the fraction, what torch's allocator reserves stays under it; held, what
+    it reserves and what CUDA maps later stay under it plus the spare. Returns the way it was
+    done: ``hold`` or ``fraction``. A second call on the same device moves the cap (a hold is
+    given back and taken again)."""
     import torch
 
     environ = os.environ if environ is None else environ
@@ -101,15 +107,18 @@ def apply(limit_bytes: int, index: int, environ: Optional[Mapping[str, str]] = N
     if how == "hold" and _shared(environ):
         how = "fraction"
     total = torch.cuda.get_device_properties(index).total_memory
+    if limit_bytes > total:
+        raise ValueError(f"a cap of {limit_bytes / GiB:g} GiB is more than GPU {index} has "
+                         f"({total / GiB:.2f} GiB)")
     release(index)
     if how == "hold":
         with torch.cuda.device(index):
             free, _ = torch.cuda.mem_get_info(index)
             take = free - max(0, limit_bytes - torch.cuda.memory_reserved(index)) - beside
-            pointer = _driver_alloc(take) if take > 0 else 0
-        if pointer is None:
+            pointer = _driver_alloc(take) if take > 0 else None
+        if pointer is None:        # refused, or too little free to hold any: the fraction caps
             how = "fraction"
-        elif take > 0:
+        else:
             _held[index] = (pointer, take)
     fraction = 1.0 if how == "hold" else min(1.0, limit_bytes / total)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
@@ -119,14 +128,17 @@ def apply(limit_bytes: int, index: int, environ: Optional[Mapping[str, str]] = N
 
 def release(index: int) -> None:
     """Lift the cap on device ``index``: what was held goes back to the driver."""
-    held = _held.pop(index, None)
-    if _caps.pop(index, None) is None:
+    held, capped = _held.pop(index, None), _caps.pop(index, None)
+    if held is None and capped is None:
         return
     import torch
 
     if held is not None:
         with torch.cuda.device(index):
-            _driver().cuMemFree_v2(ctypes.c_uint64(held[0]))
+            torch.cuda.synchronize(index)
+            if _driver().cuMemFree_v2(ctypes.c_uint64(held[0])) != 0:
+                warnings.warn(f"lmsrt: the {held[1] / GiB:.2f} GiB held above the cap on GPU "
+                              f"{index} could not be given back to the driver", stacklevel=2)
     torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 

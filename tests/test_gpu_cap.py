@@ -25,6 +25,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "memory_reserved", lambda i: 2 * GiB)
     monkeypatch.setattr(cuda, "device_count", lambda: 1)
     monkeypatch.setattr(cuda, "device", lambda i: _Nothing())
+    monkeypatch.setattr(cuda, "synchronize", lambda i=None: None)
     monkeypatch.setattr(cuda, "set_per_process_memory_fraction",
                         lambda f, i=None: seen["fractions"].append(f))
 
@@ -34,7 +35,7 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(gpu_cap, "_driver_alloc", take)
     monkeypatch.setattr(gpu_cap, "_driver", lambda: type("Lib", (), {
-        "cuMemFree_v2": staticmethod(lambda p: seen["freed"].append(p.value))}))
+        "cuMemFree_v2": staticmethod(lambda p: seen["freed"].append(p.value) or 0)}))
     yield seen
     gpu_cap._caps.clear()
     gpu_cap._held.clear()
@@ -94,6 +95,15 @@ def test_the_fraction_where_the_driver_refuses(fake_gpu, monkeypatch):
     assert gpu_cap.apply(25 * GiB, 0, {"LMSRT_GPU_CAP": "hold"}) == "fraction"
     assert fake_gpu["fractions"] == [0.25]
     assert gpu_cap.limit(0) == 25 * GiB and gpu_cap.held_bytes(0) == 0
+
+
+def test_the_fraction_where_too_little_is_free_to_hold_and_no_cap_past_the_gpu(fake_gpu):
+    # 90 GiB free, 2 reserved: a cap of 92 GiB leaves nothing to hold.
+    assert gpu_cap.apply(92 * GiB, 0, HOLD) == "fraction"
+    assert fake_gpu["taken"] == [] and fake_gpu["fractions"] == [0.92]
+    assert gpu_cap.held_bytes(0) == 0 and gpu_cap.limit(0) == 92 * GiB
+    with pytest.raises(ValueError, match="a cap of 120 GiB is more than GPU 0 has"):
+        gpu_cap.apply(120 * GiB, 0, {})
 
 
 def test_the_fraction_where_asked_or_where_ranks_share_a_gpu(fake_gpu):

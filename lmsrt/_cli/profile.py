@@ -158,11 +158,10 @@ def _apply_gpu_limit(limit_gb: float) -> None:
                    f"{limit_gb:g} GiB instead.", err=True)
         return
     try:
-        if check_gpu_limit(limit_gb) is None:
-            return
+        if check_gpu_limit(limit_gb) is not None:
+            gpu_cap.apply(int(limit_gb * GiB), torch.cuda.current_device())
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--gpu-limit'") from None
-    gpu_cap.apply(int(limit_gb * GiB), torch.cuda.current_device())
 
 
 def _output_path(path: Optional[str], flag: str) -> Optional[str]:
