@@ -17,15 +17,13 @@ from typing import List, Optional, Sequence, Tuple
 import click
 import torch
 
-from .. import gpu_cap
 from ..launch.output import check_output_file, write_atomic
 from ..launch.script import check_script, run_script
-from ..launch.session import check_gpu_limit
+from ..launch.session import apply_gpu_limit
 from ..profiler import render
 from ..profiler.recorder import StepDone, StepRecorder
 from ..profiler.report import build_report
 from ..summary import format_blocks
-from ..units import GiB
 from ._types import Number
 
 __all__ = ["command"]
@@ -158,8 +156,7 @@ def _apply_gpu_limit(limit_gb: float) -> None:
                    f"{limit_gb:g} GiB instead.", err=True)
         return
     try:
-        if check_gpu_limit(limit_gb) is not None:
-            gpu_cap.apply(int(limit_gb * GiB), torch.cuda.current_device())
+        apply_gpu_limit(limit_gb)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--gpu-limit'") from None
 

@@ -59,8 +59,8 @@ from .output import check_output_file, write_atomic
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_ACTIVE", "ENV_STATS", "ENV_GPU_LIMIT", "ENV_MAX_STEPS",
            "ENV_SUMMARY", "SUMMARY_MODES", "STATS_SCHEMA", "ENV_BOOTSTRAP", "ENV_LAUNCHER_PID",
-           "STATS_STDOUT", "Session", "StepClock", "check_environment", "check_gpu_limit", "start",
-           "stats_path_for_rank"]
+           "STATS_STDOUT", "Session", "StepClock", "check_environment", "check_gpu_limit",
+           "apply_gpu_limit", "start", "stats_path_for_rank"]
 
 ENV_ACTIVE = "LMSRT_ACTIVE"
 ENV_STATS = "LMSRT_STATS"
@@ -305,6 +305,19 @@ def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[fl
     return limit_gb * GiB / total
 
 
+def apply_gpu_limit(limit_gb: float, index: Optional[int] = None,
+                    environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Cap GPU ``index`` (the current one if None) at ``limit_gb`` GiB as ``--gpu-limit`` does
+    (lmsrt/gpu_cap.py): the way it was done, or None without a CUDA GPU; ValueError as
+    ``check_gpu_limit`` and ``gpu_cap.apply`` raise it."""
+    if check_gpu_limit(limit_gb, index) is None:
+        return None
+    import torch
+
+    index = torch.cuda.current_device() if index is None else index
+    return gpu_cap.apply(int(limit_gb * GiB), index, environ)
+
+
 def start(environ: Optional[Mapping[str, str]] = None, *, lms_overrides: Optional[dict] = None,
           stats_path: Optional[str] = None, gpu_limit_gb: Optional[float] = None,
           summary: Optional[str] = None) -> Session:
@@ -369,9 +382,7 @@ def _session(environ: Mapping[str, str], lms_overrides: Optional[dict],
         simulated = SimulatedDevice(capacity=int(gpu_limit_gb * GiB))
     elif gpu_limit_gb is not None:
         index = _cuda_index(device)
-        if check_gpu_limit(gpu_limit_gb, index) is not None:
-            gpu_cap.apply(int(gpu_limit_gb * GiB), torch.cuda.current_device()
-                          if index is None else index, environ)
+        apply_gpu_limit(gpu_limit_gb, index, environ)
     lms = LMS(config=LMSConfig.from_env(environ, **overrides), device=simulated)
     return Session(lms, stats_path=stats_path, rank=rank,
                    world_size=int(environ.get("WORLD_SIZE", 1) or 1), max_steps=max_steps,
