@@ -603,6 +603,64 @@ def test_where_part_must_move_rebuilt_bytes_come_off_what_moves(lms_frac):
     assert rebuilt > 0 and on < off, moved
 
 
+class _HeldLogits(torch.nn.Module):
+    """Tanh layers, then a GELU "logits" (rebuildable from its input, which GELU saves) that
+    the caller holds past forward's end and lets go as backward starts, as a training loop
+    lets go of the step's output once its loss is taken (Lightning's closure)."""
+
+    def __init__(self, d=256, vocab=2048, layers=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(layers)])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.gelu(self.head(x))
+
+
+def _held_logits_step(model, x, lms=None):
+    for p in model.parameters():
+        p.grad = None
+    with lms if lms is not None else contextlib.nullcontext():
+        held = [model(x)]
+        loss = held[0].square().mean()
+    loss.register_hook(lambda grad: held.clear())
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_a_storage_rebuilt_in_the_learning_step_while_the_model_holds_it_is_counted_once(
+        monkeypatch):
+    """The learning step rebuilds the logits (32 MiB) by recipe while the caller still holds
+    them: no source of lmsrt's holds them, so the reading at backward's start counts them as
+    the model's own, and the plan that keeps them must not add them again (it did: the
+    prediction was 32 MiB over the same step's with recompute off, where the logits are
+    swapped; on an H200, Lightning's 1.95 GiB logits put every planned step's prediction
+    1.95 GiB over). A forward whose use passes half the limit, as at a real cap, swaps at once
+    rather than deferring (NOTE [ Deferred copies ]): made so here."""
+    import lmsrt.policy.auto as auto
+    monkeypatch.setattr(auto.AutoPolicy, "may_defer", lambda self, use: False)
+    monkeypatch.setattr(auto.AutoPolicy, "may_keep_deferred", lambda self, use: False)
+    torch.manual_seed(0)
+    model = _HeldLogits()
+    x = torch.randn(4096, 256)
+    ref = _held_logits_step(model, x)
+    predicted = {}
+    for recompute in (False, True):
+        device = SimulatedDevice(capacity=220 << 20, strict=True)   # the check in forward fits
+        lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto", recompute=recompute)
+        for _ in range(4):
+            assert_same(ref, _held_logits_step(model, x, lms=lms))
+        steps = _steps(lms)
+        lms.close()
+        assert (steps[0]["recipe_bytes"] > 0) == recompute, steps[0]
+        assert steps[-1]["mode"] == "plan", steps[-1]
+        predicted[recompute] = steps[-1]["predicted_peak_bytes"]
+        assert predicted[recompute] - steps[-1]["gpu_peak_bytes"] < 32 << 20, steps[-1]
+    assert predicted[True] == predicted[False], predicted
+
+
 def test_a_rebuilds_inputs_read_early_must_fit_together():
     """Storage 2, rebuilt at backward point 0 from storages 0 and 1 (unpacked at points 3 and
     2), holds both from there: 50 + 50 over the 50 there, which fits under 160 and not under

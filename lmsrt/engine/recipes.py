@@ -97,6 +97,11 @@ class RecipeOffload:
         if read:
             params.watch(self, parameters=True)
         self.step.count_recipe(nbytes, seq)
+        rec = self.state.rec
+        if rec is not None:
+            # lmsrt holds no source: while the model holds the storage, a learning step reads
+            # it as the model's own, so a plan that keeps it must not add it again.
+            rec.own_from(seq)
         return s
 
     def _entry_of(self, t: torch.Tensor):
