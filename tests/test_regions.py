@@ -424,6 +424,41 @@ def test_the_plan_settles_by_step_three_with_no_trial_steps(monkeypatch, choice)
     assert all(s["mode"] == "plan" and s["recomputed_regions"] == want for s in settled), settled
 
 
+@pytest.mark.parametrize("every", [1, 2], ids=["every-step", "every-other-step"])
+def test_allocator_retries_that_stay_recompute_one_region_more_at_a_time(monkeypatch, every):
+    """NOTE [ Region plan ], 6: planned steps that each retry the allocator (one retry a step
+    here, counted in backward) four in a row recompute the last region kept in forward too, and
+    the engine learns it; four more, the one before; all the while exactly as the plain run.
+    (The first planned step, step 4, is read for its own check: NOTE [ Region plan ], 5.)
+    Retries every other step never make four in a row: the plan stays."""
+    _choose_last_two(monkeypatch)
+    torch.manual_seed(0)
+    model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
+    plain_model.load_state_dict(model.state_dict())
+    lms = _lms("sim")
+    engine, retries = lms._engine, [0]
+
+    def retry(*_):
+        if engine.step.step >= 4 and engine.step.step % every == 0:
+            retries[0] += 1
+    model.register_full_backward_hook(retry)
+    engine.device.alloc_retries = lambda: retries[0]
+    with _deterministic():
+        assert_same_steps(_train(plain_model, x, 16), _train(model, x, 16, lms))
+    history = lms.stats()["history"]
+    assert all(s["alloc_retries"] == (s["step"] >= 4 and s["step"] % every == 0)
+               for s in history), history
+    learnt = [s["step"] for s in history if s["mode"] != "plan"]
+    recomputed = [s["recomputed_regions"] for s in history[3:]]
+    if every == 1:
+        assert learnt == [1, 2, 3, 9, 14], learnt
+        assert recomputed == [2] * 5 + [3] * 5 + [4] * 2, recomputed
+        assert [r.chosen for r in lms._regions.order] == [True] * 4
+        assert "allocator retries a step in 4 planned steps" in lms.stats()["regions"]["note"]
+    else:
+        assert learnt == [1, 2, 3] and recomputed == [2] * 12, (learnt, recomputed)
+
+
 def _replanned(monkeypatch, at_step_four, stalled_model=None) -> tuple:
     """Eight steps whose plan recomputes the last two regions of four, then (the check of the
     first planned step, NOTE [ Region plan ], 5) the last three, exactly as the plain run;

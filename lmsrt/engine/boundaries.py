@@ -240,7 +240,7 @@ class StepBoundaries:
         self._read_figures(s)
         if self.memo is not None:
             self.memo.saw(self.host.used_slabs())
-        s.alloc_retries = self.device.alloc_retries() - self.state.retries_before
+        s.alloc_retries = self.retries_in_step()
         s.mode = "plan" if self.plan.followed else "reactive"
         s.alloc_failures = self.device.alloc_failures() - self.state.failures_before
         if s.alloc_retries and s.mode == "plan" and not self.policy.adapts_to_retries:
@@ -301,6 +301,10 @@ class StepBoundaries:
         """The peak of the step in flight so far, resets of the device's counter inside it
         included."""
         return max(self.device.peak_allocated(), self.state.step_peak)
+
+    def retries_in_step(self) -> int:
+        """The allocator's retries in the step in flight so far (its optimizer's included)."""
+        return self.device.alloc_retries() - self.state.retries_before
 
     def current_step(self) -> StepStats:
         """The step in flight, with its peaks read now."""

@@ -37,7 +37,7 @@ from torch import nn
 from ..hook_stack import hooks_aside
 from ..units import format_bytes
 from .finder import repeated_children
-from .plan import StepFigures, over_bound
+from .plan import StepFigures, ignore_step, over_bound
 
 __all__ = ["CompileAdvice", "capturing", "hooks_aside", "install", "made_regions",
            "repeated_blocks"]
@@ -188,7 +188,7 @@ class CompileAdvice:
         # The simulated device's copies take no step time (a test sets this to make them cost).
         self.bandwidth: Optional[float] = SIM_BANDWIDTH if engine.device.kind == "sim" else None
         listener = weakref.WeakMethod(self._begin_step)
-        engine.step_listeners.append(lambda step: (listener() or _ignore)(step))
+        engine.step_listeners.append(lambda step: (listener() or ignore_step)(step))
 
     def compile_now(self) -> bool:
         """Asked at each eager block call: whether the blocks are compiled from this call on."""
@@ -242,10 +242,6 @@ class CompileAdvice:
                      f"torch._functorch.config.activation_memory_budget={self.budget:g}, the "
                      "share of their saves they keep, so their backward recomputes the rest "
                      "rather than wait for copies (said once).")
-
-
-def _ignore(step: int) -> None:
-    pass
 
 
 class _Regional:

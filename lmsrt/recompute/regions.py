@@ -109,6 +109,7 @@ NOTE [ Region plan ]
      figures take the measured ones (``checked``): the excess, and how much of the passes hides
      copies (``calibrated``); the plan is made again, and the engine learns the regions it
      adds; never fewer. (The GPU is synchronized once first, so that every wait is read.)
+  6. Allocator retries that stay add a region (plan.py, ``RetriedSteps``).
 """
 from __future__ import annotations
 
@@ -201,6 +202,7 @@ class Regions:
         self._rerun_check = RerunCheck(engine.device)
         self._span: list = []           # forward's first region start and last region end
         self._calls = SurveyCalls()     # step 1's calls of region modules (Region plan, 2)
+        self._retried = spans.RetriedSteps()    # (Region plan, 6)
         _flush_dead()                   # hooks of Regions collected before this one
         handles = _module_hooks(weakref.ref(self))
         self.finder.kwargs_of = handles[0].id
@@ -209,7 +211,7 @@ class Regions:
         self._finalizer = weakref.finalize(self, _dead_hooks.extend, handles)
         # Held weakly by the engine, as by the hooks: a dropped LMS is freed at once, no cycle.
         listener = weakref.WeakMethod(self._begin_step)
-        engine.step_listeners.append(lambda step: (listener() or _ignore)(step))
+        engine.step_listeners.append(lambda step: (listener() or spans.ignore_step)(step))
 
     def close(self) -> None:
         """Remove the global module hooks."""
@@ -416,6 +418,8 @@ class Regions:
             ending = self.engine.current_step()
             if ending.mode == "plan":
                 self._check_plan(ending)
+        elif self.phase == "planned" and not self.idle:
+            self._retried.read(self)
         if self._rerun_check.take_trusted():
             self.engine.relearn()        # trusted kinds drop from now on: another sequence
         self._timings = []
@@ -580,10 +584,6 @@ def _module_hooks(me) -> list:
     return [nn.modules.module.register_module_forward_pre_hook(pre),
             nn.modules.module.register_module_forward_hook(post, with_kwargs=True,
                                                            always_call=True)]
-
-
-def _ignore(step: int) -> None:
-    pass
 
 
 # Hooks of collected Regions, inert (their weak reference is dead) and not yet removed: removed
