@@ -657,8 +657,47 @@ def test_a_storage_rebuilt_in_the_learning_step_while_the_model_holds_it_is_coun
         assert (steps[0]["recipe_bytes"] > 0) == recompute, steps[0]
         assert steps[-1]["mode"] == "plan", steps[-1]
         predicted[recompute] = steps[-1]["predicted_peak_bytes"]
-        assert predicted[recompute] - steps[-1]["gpu_peak_bytes"] < 32 << 20, steps[-1]
-    assert predicted[True] == predicted[False], predicted
+        assert 0 <= predicted[recompute] - steps[-1]["gpu_peak_bytes"] < 32 << 20, steps[-1]
+    assert predicted[True] <= predicted[False], predicted
+
+
+class _FreedAtOnce(_HeldLogits):
+    """A GELU output (rebuildable, 32 MiB) that only the op after it reads, freed as that op
+    returns; then a 256 MiB workspace, freed, before the next save."""
+
+    def forward(self, x):
+        for layer in self.layers[:4]:
+            x = torch.tanh(layer(x))
+        q = F.gelu(self.head(x)).square()
+        self.workspace(256 << 20)
+        return torch.tanh(q)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["swap", "recompute"])
+def test_a_storage_freed_before_its_intervals_peak_counts_there_when_kept(monkeypatch, recompute):
+    """A storage the model lets go within the interval in which lmsrt let go of it (a swapped
+    source dropped, a rebuilt storage) may be gone when that interval peaks: there, keeping it
+    adds its bytes. Left out, the plan kept the GELU output and its first planned step ran out
+    of memory in the workspace (at 330 MiB: 84 MiB allocated, 256 asked); counted, steps peak
+    at 304 MiB against 308 predicted."""
+    import lmsrt.policy.auto as auto
+    monkeypatch.setattr(auto.AutoPolicy, "may_defer", lambda self, use: False)
+    monkeypatch.setattr(auto.AutoPolicy, "may_keep_deferred", lambda self, use: False)
+    torch.manual_seed(0)
+    model = _FreedAtOnce(layers=4)
+    x = torch.randn(4096, 256)
+    model.workspace = lambda nbytes: None
+    ref = _held_logits_step(model, x)
+    device = SimulatedDevice(capacity=330 << 20, strict=True)
+    model.workspace = device.empty
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto", recompute=recompute)
+    for _ in range(5):
+        assert_same(ref, _held_logits_step(model, x, lms=lms))
+    steps = _steps(lms)
+    lms.close()
+    assert (steps[0]["recipe_bytes"] > 0) == recompute, steps[0]
+    for s in steps[1:]:
+        assert s["mode"] == "plan" and s["predicted_peak_bytes"] >= s["gpu_peak_bytes"], s
 
 
 def test_a_rebuilds_inputs_read_early_must_fit_together():

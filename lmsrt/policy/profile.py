@@ -88,8 +88,20 @@ class Profile:
         if span is None:
             return [(start, end)]
         lo, hi = span
-        hi = end + 1 if hi is None else hi if readings else max(hi, lo + 1)
+        if hi is None:
+            hi = end + 1
+        elif not readings and (hi > lo or self._peaked_at_start(lo)):
+            hi = max(hi, lo + 1)
         return [(a, b) for a, b in ((start, min(end, lo - 1)), (max(start, hi), end)) if a <= b]
+
+    def _peaked_at_start(self, i: int) -> bool:
+        """Whether the interval ending at point i peaked no higher than GPU use as it began: a
+        storage the model took over and freed within it (``kept_spans``) was allocated at that
+        peak. Otherwise the peak may have come after the free (a GELU output freed once the op
+        reading it returned, then a 256 MiB workspace before the next save: leaving it out there
+        ran a planned step out of memory on the simulated device)."""
+        own, peaks = self.fwd_own + self.bwd_own, self.fwd_peak + self.bwd_peak
+        return 0 < i < len(peaks) and peaks[i] <= own[i - 1]
 
     def record(self, backward: bool, used: int, peak: int, lmsrt_before: int, lmsrt_now: int,
                nbytes: int = 0) -> None:
