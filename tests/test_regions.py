@@ -436,8 +436,9 @@ def test_allocator_retries_that_stay_recompute_one_region_more_at_a_time(monkeyp
     regions' forwards, added up, would cost more than a step's retries."""
     import lmsrt.recompute.plan
     _choose_last_two(monkeypatch)
-    if dear:                # a retry costs less than the first region's forward
-        monkeypatch.setattr(lmsrt.recompute.plan, "RETRY_S", 1e-9)
+    # A retry costs more than the regions' forwards (timed in wall seconds here: a loaded
+    # machine's), or less than the first one's.
+    monkeypatch.setattr(lmsrt.recompute.plan, "RETRY_S", 1e-9 if dear else 60.0)
     torch.manual_seed(0)
     model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
     plain_model.load_state_dict(model.state_dict())
