@@ -118,16 +118,9 @@ class StepBoundaries:
     def begin_forward(self) -> None:
         """A step's forward begins (``with`` entry, or the first save after a backward). Step
         listeners run first, with the number of the step that begins; one may raise to stop
-        the script there (the launcher's LMSRT_MAX_STEPS), before anything of that step is held.
-        A step in flight that saved no tensor (an evaluation under no_grad inside ``with lms:``)
-        was none: it begins afresh under its number, its listeners do not run again, and
-        neither its plan nor its policy learns of it (each such step used to end the plan, and
-        an evaluation after every training step left every one unplanned)."""
-        again = (bool(self.step.step) and self.save_point() == 0 and not self.plan.current
-                 and not self.step.skipped_tensors)
-        if not again:
-            for listener in self.step_listeners:
-                listener(self.run_stats.steps + 1 + bool(self.step.step))
+        the script there (the launcher's LMSRT_MAX_STEPS), before anything of that step is held."""
+        for listener in self.step_listeners:
+            listener(self.run_stats.steps + 1 + bool(self.step.step))
         if self._samples:
             self.check_rebuilt()
         with self._lock:
@@ -153,7 +146,7 @@ class StepBoundaries:
             if self._forward_open:
                 self.end_forward()
             self._forward_open = True
-            if self.step.step and not again:
+            if self.step.step:
                 self._finish_step()
             if self._relearn:
                 self._relearn = False
