@@ -786,6 +786,37 @@ def test_auto_learns_from_the_first_step_with_a_backward(first):
     assert steps[-1]["mode"] == "plan", [s["mode"] for s in steps]
 
 
+@pytest.mark.parametrize("lms_frac", ["auto", 0.5])
+def test_an_evaluation_inside_the_block_after_every_step_leaves_the_plan_standing(lms_frac):
+    """``with lms, torch.no_grad():`` around an evaluation after each training step begins a
+    step that saves nothing: it stays in the history, and no plan or policy learns of it. (It
+    ended the plan: under a fixed mark the next training step found no sequence to follow, so
+    an evaluation after every step left every training step unplanned; under auto the plan
+    "left" banned steps that keep everything from the C++ hooks.) Exactly as without LMS."""
+    device = SimulatedDevice(capacity=CAP, strict=True)
+    model = Scripted(device, **BACKWARD_TRANSIENT)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac)
+    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for _ in range(6):
+        for w in model.weights:
+            w.grad = None
+        with lms:
+            loss = model.step(x0.clone().requires_grad_())
+        loss.backward()
+        grads.append(model.grads())
+        with lms, torch.no_grad():
+            model.step(x0.clone())
+    for got, want in zip(grads, _reference(steps=6, **BACKWARD_TRANSIENT)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    steps = lms.stats()["history"]
+    training, evaluations = steps[::2], steps[1::2]
+    assert len(training) == 6 and len(evaluations) == 5, steps
+    assert [s["mode"] for s in training[1:]] == ["plan"] * 5, [s["mode"] for s in steps]
+    assert all(s["policy_note"] == "saved nothing: the plan stands" for s in evaluations)
+    assert all(s["gpu_peak_bytes"] <= CAP for s in steps)
+
+
 class _Tuned(Scripted):
     """cuDNN's benchmark mode as the simulated device sees it: the first call of each shape
     tries algorithms with workspaces as large as memory allows (an allocation that fails is
@@ -979,4 +1010,4 @@ def test_auto_fits_real_loops_on_a_gpu(loop, monkeypatch):
     assert sum(s["alloc_failures"] for s in steps) == 0, notes
     said = " ".join(s["policy_note"] for s in steps)
     assert ("benchmark mode tried" in said if loop == "cudnn-benchmark"
-            else "the last forward had none" in said), notes
+            else steps[0]["policy_note"] == "saved nothing: the plan stands"), notes

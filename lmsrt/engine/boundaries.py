@@ -248,6 +248,15 @@ class StepBoundaries:
         if s.alloc_failures:
             self.diagnostics.alloc_failures(s)
         rebuildable = self._finish_rebuilds(s) if self.rebuilds is not None else None
+        if self.saved_nothing():
+            # An evaluation under no_grad inside ``with lms:``: a step of the history, which no
+            # plan or policy learns of (ending the plan there left a loop that evaluates after
+            # every training step unplanned).
+            s.policy_note = "saved nothing: the plan stands"
+            self.state.rec = None
+            self.run_stats.add(s)
+            self.device.reset_peak()
+            return
         where = self.plan.divergence()
         # A step the policy planned (not one it learnt from) that left its sequence.
         strayed = (self.plan.planned and not self.plan.followed
@@ -301,6 +310,10 @@ class StepBoundaries:
         """The peak of the step in flight so far, resets of the device's counter inside it
         included."""
         return max(self.device.peak_allocated(), self.state.step_peak)
+
+    def saved_nothing(self) -> bool:
+        """Whether the step in flight has saved no tensor (a forward under no_grad)."""
+        return self.save_point() == 0 and not self.plan.current and not self.step.skipped_tensors
 
     def retries_in_step(self) -> int:
         """The allocator's retries in the step in flight so far (its optimizer's included)."""

@@ -388,6 +388,8 @@ class RetriedSteps:
     def read(self, regions) -> None:
         """At the boundary after a step of ``regions``' planned phase."""
         engine = regions.engine
+        if engine.saved_nothing():
+            return                      # an evaluation between training steps: not counted
         retries = engine.retries_in_step() if engine.current_step().mode == "plan" else 0
         self.steps = self.steps + 1 if retries else 0
         if self.steps < RETRY_STEPS:
