@@ -76,9 +76,11 @@ class Scripted:
         return [w.grad.clone() for w in self.weights]
 
 
-def _train(device, lms_frac, steps=8, model_class=None, validate=0, grad=True, **script):
+def _train(device, lms_frac, steps=8, model_class=None, validate=0, grad=True,
+           evaluate=False, **script):
     """Train the scripted model (or ``model_class``'s), after ``validate`` forwards without a
-    backward (under no_grad unless ``grad``); return (grads per step, stats) or raise the OOM."""
+    backward (under no_grad unless ``grad``), with a forward under no_grad inside the block
+    after each step if ``evaluate``; return (grads per step, stats) or raise the OOM."""
     model = (model_class or Scripted)(device, **script)
     lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac)
     x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
@@ -93,6 +95,9 @@ def _train(device, lms_frac, steps=8, model_class=None, validate=0, grad=True, *
             loss = model.step(x0.clone().requires_grad_())
         loss.backward()
         grads.append(model.grads())
+        if evaluate:
+            with lms, torch.no_grad():
+                model.step(x0.clone())
     return grads, lms.stats()
 
 
@@ -794,22 +799,10 @@ def test_an_evaluation_inside_the_block_after_every_step_leaves_the_plan_standin
     an evaluation after every step left every training step unplanned; under auto the plan
     "left" banned steps that keep everything from the C++ hooks.) Exactly as without LMS."""
     device = SimulatedDevice(capacity=CAP, strict=True)
-    model = Scripted(device, **BACKWARD_TRANSIENT)
-    lms = lmsrt.LMS(device=device, lms=1, lms_frac=lms_frac)
-    x0 = torch.randn(model.rows, model.cols, generator=torch.Generator().manual_seed(1))
-    grads = []
-    for _ in range(6):
-        for w in model.weights:
-            w.grad = None
-        with lms:
-            loss = model.step(x0.clone().requires_grad_())
-        loss.backward()
-        grads.append(model.grads())
-        with lms, torch.no_grad():
-            model.step(x0.clone())
+    grads, stats = _train(device, lms_frac, steps=6, evaluate=True, **BACKWARD_TRANSIENT)
     for got, want in zip(grads, _reference(steps=6, **BACKWARD_TRANSIENT)):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    steps = lms.stats()["history"]
+    steps = stats["history"]
     training, evaluations = steps[::2], steps[1::2]
     assert len(training) == 6 and len(evaluations) == 5, steps
     assert [s["mode"] for s in training[1:]] == ["plan"] * 5, [s["mode"] for s in steps]

@@ -630,6 +630,27 @@ def _held_logits_step(model, x, lms=None):
     return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
 
 
+def _swaps_at_once(monkeypatch) -> None:
+    """A forward whose use passes half the limit, as at a real cap, swaps at once rather than
+    deferring (NOTE [ Deferred copies ]): made so for these small models."""
+    import lmsrt.policy.auto as auto
+    monkeypatch.setattr(auto.AutoPolicy, "may_defer", lambda self, use: False)
+    monkeypatch.setattr(auto.AutoPolicy, "may_keep_deferred", lambda self, use: False)
+
+
+def _held_logits_steps(model, x, device, recompute: bool, steps: int) -> list:
+    """``steps`` steps under auto, each exactly as without LMS; their figures. The learning step
+    rebuilds (with ``recompute``) or copies its storages."""
+    ref = _held_logits_step(model, x)
+    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto", recompute=recompute)
+    for _ in range(steps):
+        assert_same(ref, _held_logits_step(model, x, lms=lms))
+    lms.close()
+    figures = _steps(lms)
+    assert (figures[0]["recipe_bytes"] > 0) == recompute, figures[0]
+    return figures
+
+
 def test_a_storage_rebuilt_in_the_learning_step_while_the_model_holds_it_is_counted_once(
         monkeypatch):
     """The learning step rebuilds the logits (32 MiB) by recipe while the caller still holds
@@ -637,24 +658,15 @@ def test_a_storage_rebuilt_in_the_learning_step_while_the_model_holds_it_is_coun
     the model's own, and the plan that keeps them must not add them again (it did: the
     prediction was 32 MiB over the same step's with recompute off, where the logits are
     swapped; on an H200, Lightning's 1.95 GiB logits put every planned step's prediction
-    1.95 GiB over). A forward whose use passes half the limit, as at a real cap, swaps at once
-    rather than deferring (NOTE [ Deferred copies ]): made so here."""
-    import lmsrt.policy.auto as auto
-    monkeypatch.setattr(auto.AutoPolicy, "may_defer", lambda self, use: False)
-    monkeypatch.setattr(auto.AutoPolicy, "may_keep_deferred", lambda self, use: False)
+    1.95 GiB over)."""
+    _swaps_at_once(monkeypatch)
     torch.manual_seed(0)
     model = _HeldLogits()
     x = torch.randn(4096, 256)
-    ref = _held_logits_step(model, x)
     predicted = {}
     for recompute in (False, True):
         device = SimulatedDevice(capacity=220 << 20, strict=True)   # the check in forward fits
-        lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto", recompute=recompute)
-        for _ in range(4):
-            assert_same(ref, _held_logits_step(model, x, lms=lms))
-        steps = _steps(lms)
-        lms.close()
-        assert (steps[0]["recipe_bytes"] > 0) == recompute, steps[0]
+        steps = _held_logits_steps(model, x, device, recompute, 4)
         assert steps[-1]["mode"] == "plan", steps[-1]
         predicted[recompute] = steps[-1]["predicted_peak_bytes"]
         assert 0 <= predicted[recompute] - steps[-1]["gpu_peak_bytes"] < 32 << 20, steps[-1]
@@ -680,22 +692,13 @@ def test_a_storage_freed_before_its_intervals_peak_counts_there_when_kept(monkey
     adds its bytes. Left out, the plan kept the GELU output and its first planned step ran out
     of memory in the workspace (at 330 MiB: 84 MiB allocated, 256 asked); counted, steps peak
     at 304 MiB against 308 predicted."""
-    import lmsrt.policy.auto as auto
-    monkeypatch.setattr(auto.AutoPolicy, "may_defer", lambda self, use: False)
-    monkeypatch.setattr(auto.AutoPolicy, "may_keep_deferred", lambda self, use: False)
+    _swaps_at_once(monkeypatch)
     torch.manual_seed(0)
     model = _FreedAtOnce(layers=4)
     x = torch.randn(4096, 256)
-    model.workspace = lambda nbytes: None
-    ref = _held_logits_step(model, x)
     device = SimulatedDevice(capacity=330 << 20, strict=True)
-    model.workspace = device.empty
-    lms = lmsrt.LMS(device=device, lms=1, lms_frac="auto", recompute=recompute)
-    for _ in range(5):
-        assert_same(ref, _held_logits_step(model, x, lms=lms))
-    steps = _steps(lms)
-    lms.close()
-    assert (steps[0]["recipe_bytes"] > 0) == recompute, steps[0]
+    model.workspace = device.empty      # (the reference's too: counted only under LMS)
+    steps = _held_logits_steps(model, x, device, recompute, 5)
     for s in steps[1:]:
         assert s["mode"] == "plan" and s["predicted_peak_bytes"] >= s["gpu_peak_bytes"], s
 

@@ -59,8 +59,9 @@ temporaries. One mark cannot fit them all (docs/design.md, "The model's own memo
   6. Learn from a training step. A step none of whose saved storages came back in backward (a
      validation forward before training, a graph dropped) is learnt again by the next: its use
      is not a training step's. One that saved nothing (a forward under no_grad inside ``with
-     lms:``) is in the history, and neither plan nor policy learns of it. Under cuDNN's benchmark mode, the
-     first call of each shape tries every algorithm with workspaces as large as memory allows:
+     lms:``) is in the history, and neither plan nor policy learns of it. Under cuDNN's
+     benchmark mode, the first call of each shape tries every algorithm with workspaces as
+     large as memory allows:
      a step with a sequence of sizes not seen in a learning step before is learnt again by the
      next, whose algorithms (chosen with the least held) are those later steps run.
   7. Learn again when told (``relearn``: recompute/regions.py recomputes other regions). The
