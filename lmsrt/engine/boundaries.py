@@ -253,10 +253,14 @@ class StepBoundaries:
             # plan or policy learns of (ending the plan there left a loop that evaluates after
             # every training step unplanned).
             s.policy_note = "saved nothing: the plan stands"
-            self.state.rec = None
-            self.run_stats.add(s)
-            self.device.reset_peak()
-            return
+        else:
+            self._take_in(s, rebuildable)
+        self.state.rec = None
+        self.run_stats.add(s)
+        self.device.reset_peak()
+
+    def _take_in(self, s: StepStats, rebuildable) -> None:
+        """The plan and the policy take in the step ending (``_finish_step``)."""
         where = self.plan.divergence()
         # A step the policy planned (not one it learnt from) that left its sequence.
         strayed = (self.plan.planned and not self.plan.followed
@@ -288,9 +292,6 @@ class StepBoundaries:
             s.policy_note = (f"a step that kept everything saved another sequence than the one "
                              f"before it ({where or 'fewer storages'}): none for {ban} steps"
                              + (f"; {s.policy_note}" if s.policy_note else ""))
-        self.state.rec = None
-        self.run_stats.add(s)
-        self.device.reset_peak()
 
     def _finish_rebuilds(self, s: StepStats) -> set:
         """Read the step's bitwise checks and rebuild times; return the forward points whose
