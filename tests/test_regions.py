@@ -76,8 +76,9 @@ def _deterministic():
         torch.use_deterministic_algorithms(was)
 
 
-def _train(model, x, steps: int, ctx=None, autocast: bool = False):
-    """Per step: the loss, the gradients, and every buffer after the step."""
+def _train(model, x, steps: int, ctx=None, autocast: bool = False, evaluate: bool = False):
+    """Per step: the loss, the gradients, and every buffer after the step; with ``evaluate``, a
+    forward under no_grad (inside ``ctx``) after each."""
     out = []
     for step in range(steps):
         torch.manual_seed(step)
@@ -89,6 +90,9 @@ def _train(model, x, steps: int, ctx=None, autocast: bool = False):
                                     if p.grad is not None],
                     [b.clone() for b in model.buffers()]))
         model.zero_grad(set_to_none=True)
+        if evaluate:
+            with ctx or contextlib.nullcontext(), torch.no_grad():
+                model(x)
     return out
 
 
@@ -424,21 +428,13 @@ def test_the_plan_settles_by_step_three_with_no_trial_steps(monkeypatch, choice)
     assert all(s["mode"] == "plan" and s["recomputed_regions"] == want for s in settled), settled
 
 
-@pytest.mark.parametrize("every, dear", [(1, False), (2, False), (1, True)],
-                         ids=["every-step", "every-other-step", "dearer-than-the-retries"])
-def test_allocator_retries_that_stay_recompute_one_region_more_at_a_time(monkeypatch, every,
-                                                                          dear):
-    """NOTE [ Region plan ], 6: planned steps that each retry the allocator (one retry a step
-    here, counted in backward) four in a row recompute the last region kept in forward too, and
-    the engine learns it; four more, the one before; all the while exactly as the plain run.
-    (The first planned step, step 4, is read for its own check: NOTE [ Region plan ], 5.)
-    Retries every other step never make four in a row: the plan stays; nor does it where the
-    regions' forwards, added up, would cost more than a step's retries."""
+def _retrying(monkeypatch, retry_s: float, every: int = 1):
+    """Two of four regions recomputed, a retry costing ``retry_s``, and an LMS whose planned
+    steps from step 4 each retry the allocator once (every ``every``-th step; counted in
+    backward). Returns (model, its plain twin, input, LMS)."""
     import lmsrt.recompute.plan
     _choose_last_two(monkeypatch)
-    # A retry costs more than the regions' forwards (timed in wall seconds here: a loaded
-    # machine's), or less than the first one's.
-    monkeypatch.setattr(lmsrt.recompute.plan, "RETRY_S", 1e-9 if dear else 60.0)
+    monkeypatch.setattr(lmsrt.recompute.plan, "RETRY_S", retry_s)
     torch.manual_seed(0)
     model, plain_model, x = Stack(32, 4), Stack(32, 4), torch.randn(4, 16, 32)
     plain_model.load_state_dict(model.state_dict())
@@ -450,6 +446,22 @@ def test_allocator_retries_that_stay_recompute_one_region_more_at_a_time(monkeyp
             retries[0] += 1
     model.register_full_backward_hook(retry)
     engine.device.alloc_retries = lambda: retries[0]
+    return model, plain_model, x, lms
+
+
+@pytest.mark.parametrize("every, dear", [(1, False), (2, False), (1, True)],
+                         ids=["every-step", "every-other-step", "dearer-than-the-retries"])
+def test_allocator_retries_that_stay_recompute_one_region_more_at_a_time(monkeypatch, every,
+                                                                          dear):
+    """NOTE [ Region plan ], 6: planned steps that each retry the allocator (one retry a step
+    here, counted in backward) four in a row recompute the last region kept in forward too, and
+    the engine learns it; four more, the one before; all the while exactly as the plain run.
+    (The first planned step, step 4, is read for its own check: NOTE [ Region plan ], 5.)
+    Retries every other step never make four in a row: the plan stays; nor does it where the
+    regions' forwards, added up, would cost more than a step's retries."""
+    # A retry costs more than the regions' forwards (timed in wall seconds here: a loaded
+    # machine's), or less than the first one's.
+    model, plain_model, x, lms = _retrying(monkeypatch, 1e-9 if dear else 60.0, every)
     with _deterministic():
         assert_same_steps(_train(plain_model, x, 16), _train(model, x, 16, lms))
     history = lms.stats()["history"]
@@ -464,6 +476,21 @@ def test_allocator_retries_that_stay_recompute_one_region_more_at_a_time(monkeyp
         assert "allocator retries a step in 4 planned steps" in lms.stats()["regions"]["note"]
     else:
         assert learnt == [1, 2, 3] and recomputed == [2] * 12, (learnt, recomputed)
+
+
+def test_evaluations_between_retrying_steps_neither_count_nor_break_the_run(monkeypatch):
+    """An evaluation under no_grad inside the block after every training step saves nothing: it
+    neither ends the plan nor breaks the run of retrying planned steps (NOTE [ Region plan ],
+    6), so regions are still added one at a time, exactly as without LMS."""
+    model, plain_model, x, lms = _retrying(monkeypatch, 60.0)
+    with _deterministic():
+        assert_same_steps(_train(plain_model, x, 16, evaluate=True),
+                          _train(model, x, 16, lms, evaluate=True))
+    history = lms.stats()["history"]
+    evaluations = [s for s in history if s["policy_note"] == "saved nothing: the plan stands"]
+    assert len(evaluations) == 15 and len(history) == 31, history
+    assert [r.chosen for r in lms._regions.order] == [True] * 4
+    assert history[-1]["mode"] == "plan" and history[-1]["recomputed_regions"] == 4
 
 
 def _replanned(monkeypatch, at_step_four, stalled_model=None) -> tuple:
