@@ -40,7 +40,8 @@ import os
 import warnings
 from typing import Dict, Mapping, Optional
 
-__all__ = ["apply", "limit", "held_bytes", "release", "way", "ENV_WAY", "ENV_SPARE", "WAYS"]
+__all__ = ["apply", "check", "limit", "held_bytes", "release", "way", "ENV_WAY", "ENV_SPARE",
+           "WAYS"]
 
 ENV_WAY = "LMSRT_GPU_CAP"
 ENV_SPARE = "LMSRT_GPU_CAP_SPARE_MB"
@@ -94,6 +95,18 @@ def _shared(environ: Mapping[str, str]) -> bool:
     return raw.isdigit() and int(raw) > torch.cuda.device_count()
 
 
+def check(limit_bytes: int, index: int) -> int:
+    """The total memory of GPU ``index``; ValueError where a cap of ``limit_bytes`` passes it."""
+    import torch
+
+    total = torch.cuda.get_device_properties(index).total_memory
+    if limit_bytes > total:
+        raise ValueError(f"a cap of {limit_bytes / GiB:g} GiB is more than GPU {index} has "
+                         f"({total / GiB:.2f} GiB); give at most {total / GiB:.2f}, or leave "
+                         "--gpu-limit out")
+    return total
+
+
 def apply(limit_bytes: int, index: int, environ: Optional[Mapping[str, str]] = None) -> str:
     """Cap device ``index`` at ``limit_bytes`` (NOTE [ Capping a GPU ]; ValueError past the
     GPU's total): under the fraction, what torch's allocator reserves stays under it; held, what
@@ -106,10 +119,7 @@ def apply(limit_bytes: int, index: int, environ: Optional[Mapping[str, str]] = N
     how, beside = way(environ), spare(environ)
     if how == "hold" and _shared(environ):
         how = "fraction"
-    total = torch.cuda.get_device_properties(index).total_memory
-    if limit_bytes > total:
-        raise ValueError(f"a cap of {limit_bytes / GiB:g} GiB is more than GPU {index} has "
-                         f"({total / GiB:.2f} GiB)")
+    total = check(limit_bytes, index)
     release(index)
     if how == "hold":
         with torch.cuda.device(index):

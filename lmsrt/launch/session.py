@@ -298,11 +298,7 @@ def check_gpu_limit(limit_gb: float, index: Optional[int] = None) -> Optional[fl
             f"{spelled('device', 'sim')} it is the simulated GPU's size).")
         return None
     index = torch.cuda.current_device() if index is None else index
-    total = torch.cuda.get_device_properties(index).total_memory
-    if limit_gb * GiB > total:
-        raise ValueError(f"{limit_gb:g} GiB is more than GPU {index} has ({total / GiB:.2f} "
-                         f"GiB); give at most {total / GiB:.2f}, or leave --gpu-limit out")
-    return limit_gb * GiB / total
+    return limit_gb * GiB / gpu_cap.check(limit_gb * GiB, index)
 
 
 def apply_gpu_limit(limit_gb: float, index: Optional[int] = None,

@@ -100,8 +100,11 @@ class Profile:
         peak. Otherwise the peak may have come after the free (a GELU output freed once the op
         reading it returned, then a 256 MiB workspace before the next save: leaving it out there
         ran a planned step out of memory on the simulated device)."""
-        own, peaks = self.fwd_own + self.bwd_own, self.fwd_peak + self.bwd_peak
-        return 0 < i < len(peaks) and peaks[i] <= own[i - 1]
+        n = len(self.fwd_own)
+        if not 0 < i < n + len(self.bwd_own):
+            return False
+        peak = self.fwd_peak[i] if i < n else self.bwd_peak[i - n]
+        return peak <= (self.fwd_own[i - 1] if i <= n else self.bwd_own[i - 1 - n])
 
     def record(self, backward: bool, used: int, peak: int, lmsrt_before: int, lmsrt_now: int,
                nbytes: int = 0) -> None:
